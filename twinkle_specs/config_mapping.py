@@ -1,0 +1,187 @@
+"""Turns a Hugging Face Qwen config into Megatron-LM flags and a megatron-core TransformerConfig.
+
+Both come from one table (:func:`_settings`): each entry names the command-line flags and the
+TransformerConfig fields that express one fact of the checkpoint, so the flags that
+``pretrain_gpt.py`` parses and the config that :func:`build_model` uses cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .hf_config import QwenArch, qwen_arch_from_hf
+
+SPEC_FLAGS = ["--spec", "twinkle_specs", "qwen_layer_spec"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One fact of the checkpoint: the flags that say it, and the TransformerConfig fields they set."""
+
+    flags: list[str]
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _settings(arch: QwenArch) -> list[Setting]:
+    s = [
+        Setting(["--num-layers", str(arch.num_layers)], {"num_layers": arch.num_layers}),
+        Setting(["--hidden-size", str(arch.hidden_size)], {"hidden_size": arch.hidden_size}),
+        Setting(["--ffn-hidden-size", str(arch.ffn_hidden_size)], {"ffn_hidden_size": arch.ffn_hidden_size}),
+        Setting(
+            ["--num-attention-heads", str(arch.num_attention_heads)],
+            {"num_attention_heads": arch.num_attention_heads},
+        ),
+        Setting(
+            ["--group-query-attention", "--num-query-groups", str(arch.num_query_groups)],
+            {"num_query_groups": arch.num_query_groups},
+        ),
+        Setting(["--kv-channels", str(arch.kv_channels)], {"kv_channels": arch.kv_channels}),
+        Setting(
+            ["--normalization", "RMSNorm", "--norm-epsilon", repr(arch.norm_epsilon)],
+            {"normalization": "RMSNorm", "layernorm_epsilon": arch.norm_epsilon},
+        ),
+        Setting(["--swiglu"], {"gated_linear_unit": True, "activation_func": F.silu}),
+        Setting(["--disable-bias-linear"], {"add_bias_linear": False}),
+        Setting(
+            ["--position-embedding-type", "rope", "--rotary-base", f"{arch.rotary_base:g}"],
+            {"rotary_base": arch.rotary_base},
+        ),
+        Setting(
+            ["--max-position-embeddings", str(arch.max_position_embeddings)],
+            {"max_position_embeddings": arch.max_position_embeddings},
+        ),
+        Setting(
+            ["--attention-dropout", repr(arch.attention_dropout), "--hidden-dropout", "0.0"],
+            {"attention_dropout": arch.attention_dropout, "hidden_dropout": 0.0},
+        ),
+        Setting(["--init-method-std", repr(arch.init_method_std)], {"init_method_std": arch.init_method_std}),
+    ]
+    if arch.qkv_bias:
+        s.append(Setting(["--add-qkv-bias"], {"add_qkv_bias": True}))
+    if arch.qk_layernorm:
+        s.append(Setting(["--qk-layernorm"], {"qk_layernorm": True}))
+    if not arch.tie_word_embeddings:
+        s.append(Setting(["--untie-embeddings-and-output-weights"]))
+    if arch.dtype == "bfloat16":
+        s.append(Setting(["--bf16"], {"bf16": True, "params_dtype": torch.bfloat16}))
+    elif arch.dtype == "float16":
+        s.append(Setting(["--fp16"], {"fp16": True, "params_dtype": torch.float16}))
+    if arch.is_moe:
+        s += [
+            Setting(["--num-experts", str(arch.num_experts)], {"num_moe_experts": arch.num_experts}),
+            Setting(
+                ["--moe-router-topk", str(arch.moe_router_topk)], {"moe_router_topk": arch.moe_router_topk}
+            ),
+            Setting(
+                ["--moe-ffn-hidden-size", str(arch.moe_ffn_hidden_size)],
+                {"moe_ffn_hidden_size": arch.moe_ffn_hidden_size},
+            ),
+            Setting(
+                [
+                    "--moe-router-load-balancing-type",
+                    "aux_loss",
+                    "--moe-aux-loss-coeff",
+                    repr(arch.moe_aux_loss_coeff),
+                ],
+                {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": arch.moe_aux_loss_coeff},
+            ),
+        ]
+        if not arch.norm_topk_prob:
+            s.append(Setting(["--moe-router-pre-softmax"], {"moe_router_pre_softmax": True}))
+        if arch.shared_expert_intermediate_size:
+            s.append(
+                Setting(
+                    [
+                        "--moe-shared-expert-intermediate-size",
+                        str(arch.shared_expert_intermediate_size),
+                        "--moe-shared-expert-gate",
+                    ],
+                    {
+                        "moe_shared_expert_intermediate_size": arch.shared_expert_intermediate_size,
+                        "moe_shared_expert_gate": True,
+                    },
+                )
+            )
+    return s
+
+
+def megatron_args_from_hf(hf_dir: str | Path) -> list[str]:
+    """Megatron-LM flags describing this checkpoint, ending with ``--spec twinkle_specs qwen_layer_spec``.
+
+    Training choices (parallelism, batch, lr, seq-length, tokenizer) are the user's and are not included.
+    """
+    arch = qwen_arch_from_hf(hf_dir)
+    flags = [f for setting in _settings(arch) for f in setting.flags]
+    # The embedding is padded to a multiple of this times TP; Qwen vocabularies are multiples of 128.
+    flags += ["--make-vocab-size-divisible-by", "128" if arch.vocab_size % 128 == 0 else "1"]
+    return flags + SPEC_FLAGS
+
+
+def _config_fields(arch: QwenArch) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for setting in _settings(arch):
+        fields.update(setting.config)
+    fields.pop("max_position_embeddings")  # a GPTModel argument, not a TransformerConfig field
+    fields.pop("rotary_base")  # likewise
+    return fields
+
+
+def _runtime_fields() -> dict[str, Any]:
+    """Fields that depend on this process (parallel layout, device), not on the checkpoint."""
+    from megatron.core import parallel_state as ps
+
+    on_gpu = torch.cuda.is_available()
+    fields: dict[str, Any] = {
+        "use_cpu_initialization": not on_gpu,
+        "gradient_accumulation_fusion": False,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "apply_rope_fusion": False,
+        "masked_softmax_fusion": False,
+        "persist_layer_norm": False,
+        "transformer_impl": "transformer_engine" if on_gpu and _te_available() else "local",
+    }
+    if ps.model_parallel_is_initialized():
+        fields |= {
+            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+            "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        }
+    return fields
+
+
+def _te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config_from_hf(hf_dir: str | Path, **overrides: Any):
+    """A megatron-core TransformerConfig for this checkpoint; ``overrides`` win over everything.
+
+    Parallel sizes are read from megatron's parallel state when it is initialized; fusions that need
+    CUDA kernels are off unless overridden; ``transformer_impl`` is "transformer_engine" when a GPU and
+    TE are present, otherwise "local" (the portable path that runs on CPU).
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    arch = qwen_arch_from_hf(hf_dir)
+    kwargs = _config_fields(arch) | _runtime_fields() | overrides
+    if arch.is_moe:
+        kwargs.setdefault("moe_token_dispatcher_type", "alltoall")
+    for name in ("num_attention_heads", "num_query_groups"):
+        tp = kwargs.get("tensor_model_parallel_size", 1)
+        if kwargs[name] % tp:
+            raise ValueError(
+                f"{Path(hf_dir) / 'config.json'}: {name}={kwargs[name]} is not divisible by "
+                f"tensor_model_parallel_size={tp}; choose a TP size that divides both the attention heads "
+                f"({arch.num_attention_heads}) and the KV groups ({arch.num_query_groups})."
+            )
+    return TransformerConfig(**kwargs)

@@ -1,0 +1,92 @@
+"""Fills this rank's shard of every megatron parameter from a Hugging Face safetensors checkpoint."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, CheckpointReader
+from .hf_config import qwen_arch_from_hf, read_config_json
+from .parallel import bindings, model_chunks, tp_info
+from .weight_map import hf_tensor_shapes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadReport:
+    """What one rank loaded: parameters filled, bytes read from disk, dtype conversions made."""
+
+    parameters: int = 0
+    bytes_read: int = 0
+    checkpoint_bytes: int = 0
+    conversions: Counter = field(default_factory=Counter)
+
+    def __str__(self) -> str:
+        conv = ", ".join(f"{k}: {v}" for k, v in sorted(self.conversions.items())) or "none"
+        return (
+            f"loaded {self.parameters} parameters, read {self.bytes_read / 2**20:.1f} MiB of a "
+            f"{self.checkpoint_bytes / 2**20:.1f} MiB checkpoint; dtype conversions: {conv}"
+        )
+
+
+def check_checkpoint(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) -> None:
+    """Strictness: every expected tensor present with its shape, and no tensor left unused."""
+    keys = reader.keys()
+    missing = sorted(set(expected) - keys)
+    unused = sorted(keys - set(expected))
+    if missing:
+        raise CheckpointError(
+            f"{reader.dir}: missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
+    if unused:
+        raise CheckpointError(
+            f"{reader.dir}: tensor(s) {unused[:8]}{' ...' if len(unused) > 8 else ''} are not used by this "
+            "architecture per config.json; refusing to drop them silently (wrong config or checkpoint?)"
+        )
+    for name, shape in expected.items():
+        actual = reader.shape(name)
+        if actual != shape:
+            raise CheckpointError(
+                f"{reader.dir}: tensor {name!r} has shape {list(actual)}, config.json implies {list(shape)}"
+            )
+
+
+def load_hf_weights(model, hf_dir: str | Path) -> LoadReport:
+    """Loads ``hf_dir`` into this rank's ``model`` (a GPTModel stage, wrapper or VPP list).
+
+    Reads only the slices this rank owns; every base parameter must be covered, and the checkpoint
+    must hold exactly the tensors its config.json implies. Values are cast to each parameter's dtype.
+    """
+    arch = qwen_arch_from_hf(hf_dir)
+    report = LoadReport()
+    with CheckpointReader(hf_dir) as reader:
+        check_checkpoint(reader, hf_tensor_shapes(arch))
+        report.checkpoint_bytes = reader.total_bytes()
+        for binding, param in bindings(model, arch):
+            info = tp_info(binding.expert)
+            value = binding.layout.load(reader.read, binding.hf_names, info.rank, info.size)
+            if tuple(value.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"{binding.hf_names} give shape {list(value.shape)} for megatron parameter "
+                    f"{binding.param_name!r} of shape {list(param.shape)} (TP rank {info.rank}/{info.size})"
+                )
+            if value.dtype != param.dtype:
+                report.conversions[f"{value.dtype}->{param.dtype}".replace("torch.", "")] += 1
+            with torch.no_grad():
+                param.copy_(value.to(param.dtype))
+            report.parameters += 1
+        report.bytes_read = reader.bytes_read
+    for chunk in model_chunks(model):
+        chunk.hf_config = read_config_json(hf_dir)
+        chunk.hf_source_dir = str(hf_dir)
+    log.info("twinkle_specs: rank %s %s", _rank(), report)
+    return report
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -1,0 +1,58 @@
+"""Builds this rank's megatron-core GPTModel stage for a Hugging Face Qwen checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+
+from .config_mapping import transformer_config_from_hf
+from .hf_config import qwen_arch_from_hf
+from .loading import load_hf_weights
+from .spec import qwen_layer_spec
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:
+    """Megatron's rule (``--make-vocab-size-divisible-by`` times TP), falling back to TP alone."""
+    multiple = (divisible_by if vocab_size % divisible_by == 0 else 1) * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_model(
+    hf_dir: str | Path,
+    *,
+    load_weights: bool = True,
+    parallel_output: bool = False,
+    vp_stage: int | None = None,
+    **overrides: Any,
+) -> GPTModel:
+    """This rank's GPTModel stage built from ``qwen_layer_spec``, with the HF weights loaded.
+
+    Needs megatron's parallel state initialized. ``overrides`` go to the TransformerConfig
+    (e.g. ``params_dtype=torch.float32``, ``sequence_parallel=True``, ``moe_grouped_gemm=True``).
+    """
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError(
+            "build_model needs megatron's parallel state: call torch.distributed.init_process_group and "
+            "megatron.core.parallel_state.initialize_model_parallel(tp, pp, ...) first"
+        )
+    arch = qwen_arch_from_hf(hf_dir)
+    config = transformer_config_from_hf(hf_dir, **overrides)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=qwen_layer_spec,
+        vocab_size=padded_vocab_size(arch.vocab_size, ps.get_tensor_model_parallel_world_size()),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rotary_base,
+        vp_stage=vp_stage,
+    )
+    if load_weights:
+        load_hf_weights(model, hf_dir)
+    return model

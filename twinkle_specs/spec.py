@@ -1,0 +1,124 @@
+"""The Qwen transformer-layer spec for megatron-core.
+
+``qwen_layer_spec`` is a module-level ``ModuleSpec`` *instance* (Megatron-LM core_v0.16.1's ``--spec``
+hands the imported object straight to GPTModel and rejects callables; core_v0.19 accepts both). Its
+layer class chooses the submodules when Megatron builds each layer, from that layer's
+TransformerConfig: Transformer Engine modules when ``transformer_impl == "transformer_engine"``,
+otherwise megatron-core's portable modules with a torch-SDPA core attention that runs on CPU. q/k norm,
+QKV bias, dense vs MoE (TE grouped GEMM when ``moe_grouped_gemm``) and the shared expert all follow the
+config, composed from megatron-core's own layer specs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention on ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Used on the portable path: megatron-core's DotProductAttention needs CUDA (its RNG tracker and
+    global buffers), this runs anywhere. Causal, GQA by head repetition, Qwen's 1/sqrt(head_dim) scale.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        **_: Any,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("the portable SDPA attention has no context parallelism; use the TE path")
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("packed sequences and attention bias need the TE path")
+        # [s, b, heads, d] -> [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        # Megatron masks are True where attention is *not* allowed; SDPA wants the opposite.
+        mask = None if attention_mask is None else ~attention_mask
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask is None,
+            scale=self.softmax_scale,
+        )
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def _megatron_layer_submodules(config: TransformerConfig) -> TransformerLayerSubmodules:
+    """megatron-core's own GPT layer submodules for this config, TE or portable."""
+    common = {
+        "num_experts": config.num_moe_experts,
+        "moe_grouped_gemm": config.moe_grouped_gemm,
+        "qk_layernorm": config.qk_layernorm,
+    }
+    if config.transformer_impl == "transformer_engine":
+        return get_gpt_layer_with_transformer_engine_spec(**common).submodules
+    submodules = get_gpt_layer_local_spec(normalization=config.normalization, **common).submodules
+    attention = submodules.self_attention
+    portable_attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, core_attention=SDPACoreAttention)
+    )
+    return dataclasses.replace(submodules, self_attention=portable_attention)
+
+
+def qwen_layer_submodules(config: TransformerConfig) -> TransformerLayerSubmodules:
+    """The submodules of one Qwen layer for ``config`` (LoRA wrappers added when configured)."""
+    if config.normalization != "RMSNorm" or not config.gated_linear_unit or config.add_bias_linear:
+        raise ValueError(
+            "qwen_layer_spec expects a Qwen config: --normalization RMSNorm --swiglu --disable-bias-linear "
+            "(twinkle-specs args --hf-model DIR prints the full set of flags)"
+        )
+    return _megatron_layer_submodules(config)
+
+
+class QwenTransformerLayer(TransformerLayer):
+    """A megatron-core TransformerLayer whose submodules come from its config (see module docstring)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: TransformerLayerSubmodules | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(config, submodules or qwen_layer_submodules(config), *args, **kwargs)
+
+
+qwen_layer_spec = ModuleSpec(module=QwenTransformerLayer)
