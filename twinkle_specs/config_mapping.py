@@ -174,8 +174,12 @@ def transformer_config_from_hf(hf_dir: str | Path, **overrides: Any):
 
     arch = qwen_arch_from_hf(hf_dir)
     kwargs = _config_fields(arch) | _runtime_fields() | overrides
+    kwargs.setdefault("pipeline_dtype", kwargs.get("params_dtype", torch.float32))
     if arch.is_moe:
-        kwargs.setdefault("moe_token_dispatcher_type", "alltoall")
+        # alltoall is the fast path on GPUs; allgather is the dispatcher that runs without CUDA streams.
+        kwargs.setdefault(
+            "moe_token_dispatcher_type", "alltoall" if torch.cuda.is_available() else "allgather"
+        )
     for name in ("num_attention_heads", "num_query_groups"):
         tp = kwargs.get("tensor_model_parallel_size", 1)
         if kwargs[name] % tp:

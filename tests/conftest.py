@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from models import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Builds each tiny HF checkpoint once per session, on first use."""
+    root = tmp_path_factory.mktemp("hf")
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = make_checkpoint(kind, root / kind)
+        return made[kind]
+
+    return get
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_dist(nproc: int, script: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Runs ``script`` on ``nproc`` gloo ranks with torchrun; raises with its output on failure."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        "--master-addr=127.0.0.1",
+        str(script),
+        *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
+@pytest.fixture(scope="session")
+def megatron_single():
+    """megatron's parallel state at world size 1 (gloo) for in-process tests."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    yield
+    ps.destroy_model_parallel()

@@ -1,0 +1,72 @@
+"""Runs one rank of a megatron layout (via torchrun, gloo, CPU): build + load, forward, export.
+
+Writes, on the last pipeline stage's TP rank 0, the full logits to OUT/logits.pt, each rank's load
+report to OUT/load-RANK.json, and the exported HF checkpoint to OUT/export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from models import batch  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hf", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    args = ap.parse_args()
+
+    from megatron.core import parallel_state as ps
+
+    import twinkle_specs as ts
+
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    ps.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep)
+    model = ts.build_model(args.hf, load_weights=False).eval()
+    report = ts.load_hf_weights(model, args.hf)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank()
+    (out / f"load-{rank}.json").write_text(
+        json.dumps({"bytes_read": report.bytes_read, "checkpoint_bytes": report.checkpoint_bytes})
+    )
+    tokens = batch().to("cuda" if on_gpu else "cpu")
+    pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        if not ps.is_pipeline_first_stage():
+            hidden = torch.empty(
+                tokens.shape[1], tokens.shape[0], model.config.hidden_size, device=tokens.device
+            )
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        result = model(tokens, pos, None)
+        if not ps.is_pipeline_last_stage():
+            dist.send(result.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        else:
+            parts = [torch.empty_like(result) for _ in range(ps.get_tensor_model_parallel_world_size())]
+            dist.all_gather(parts, result.contiguous(), group=ps.get_tensor_model_parallel_group())
+            if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+                torch.save(torch.cat(parts, dim=-1).cpu(), out / "logits.pt")
+    ts.save_hf_weights(model, out / "export")
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

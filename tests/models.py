@@ -1,0 +1,95 @@
+"""Tiny random Qwen checkpoints built with transformers from configs (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+
+VOCAB = 256
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+CONFIGS = {
+    # Qwen2 (no bias variant is not a Qwen2 thing: Qwen2 always has QKV bias), tied embeddings.
+    "qwen2": lambda: Qwen2Config(
+        **_COMMON, intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=True
+    ),
+    # Qwen2.5-style: QKV bias, untied, rope_theta 1e6, MHA.
+    "qwen2_5": lambda: Qwen2Config(
+        **_COMMON, intermediate_size=96, num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1e6
+    ),
+    # Qwen3: head_dim != hidden/heads, GQA, q/k norm, untied.
+    "qwen3": lambda: Qwen3Config(
+        **_COMMON, intermediate_size=96, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False
+    ),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **_COMMON,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
+    "qwen3_moe_nonorm": lambda: Qwen3MoeConfig(
+        **_COMMON,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        tie_word_embeddings=True,
+    ),
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **_COMMON,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def make_checkpoint(kind: str, out: Path, seed: int = 0, max_shard_size: str | None = None) -> Path:
+    """Saves a random tiny model of ``kind`` as safetensors in ``out``; weights are scaled up from the
+    default init so that errors in any tensor show clearly in the logits."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[kind]())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)  # not all-ones, so a norm loaded in the wrong place shows
+            elif p.dim() >= 2:
+                p.normal_(0, 0.08)
+            else:
+                p.normal_(0, 0.05)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    return out
+
+
+def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def batch(seed: int = 1, b: int = 2, s: int = 32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (b, s), generator=g)
