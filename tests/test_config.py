@@ -1,0 +1,138 @@
+"""config.json -> Megatron flags / TransformerConfig, and the errors for what we cannot honour."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import twinkle_specs as ts
+from twinkle_specs.hf_config import FIELD_POLICY, UnsupportedConfigError
+
+
+def _flag_value(flags: list[str], name: str) -> str:
+    return flags[flags.index(name) + 1]
+
+
+def _edit(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_qwen3_flags(checkpoints):
+    flags = ts.megatron_args_from_hf(checkpoints("qwen3"))
+    assert flags[-3:] == ["--spec", "twinkle_specs", "qwen_layer_spec"]
+    assert _flag_value(flags, "--kv-channels") == "24"  # head_dim independent of hidden/heads
+    assert _flag_value(flags, "--num-query-groups") == "2"
+    assert "--qk-layernorm" in flags and "--add-qkv-bias" not in flags
+    assert "--untie-embeddings-and-output-weights" in flags
+    assert _flag_value(flags, "--norm-epsilon") == "1e-06"
+
+
+def test_qwen2_flags_have_qkv_bias_and_tied_embeddings(checkpoints):
+    flags = ts.megatron_args_from_hf(checkpoints("qwen2"))
+    assert "--add-qkv-bias" in flags and "--qk-layernorm" not in flags
+    assert "--untie-embeddings-and-output-weights" not in flags
+    assert _flag_value(flags, "--rotary-base") == "10000"
+
+
+@pytest.mark.parametrize(
+    "kind,pre_softmax,shared",
+    [("qwen3_moe", False, False), ("qwen3_moe_nonorm", True, False), ("qwen2_moe", True, True)],
+)
+def test_moe_flags(kind, pre_softmax, shared, checkpoints):
+    flags = ts.megatron_args_from_hf(checkpoints(kind))
+    assert _flag_value(flags, "--num-experts") == "4"
+    assert _flag_value(flags, "--moe-router-topk") == "2"
+    assert _flag_value(flags, "--moe-ffn-hidden-size") == "32"
+    assert ("--moe-router-pre-softmax" in flags) == pre_softmax  # norm_topk_prob false <-> pre-softmax
+    assert ("--moe-shared-expert-gate" in flags) == shared
+
+
+def test_transformer_config_matches_flags(checkpoints):
+    cfg = ts.transformer_config_from_hf(checkpoints("qwen2_moe"), num_layers=2)
+    assert cfg.num_layers == 2  # overrides win
+    assert cfg.kv_channels == 16 and cfg.num_query_groups == 2 and cfg.add_qkv_bias
+    assert cfg.num_moe_experts == 4 and cfg.moe_router_pre_softmax and cfg.moe_shared_expert_gate
+    assert cfg.moe_shared_expert_intermediate_size == 48 and cfg.layernorm_epsilon == 1e-6
+    assert cfg.normalization == "RMSNorm" and cfg.gated_linear_unit and not cfg.add_bias_linear
+
+
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"architectures": ["LlamaForCausalLM"]}, "architectures"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_scaling"),
+        ({"some_new_field": 1}, "some_new_field"),
+        ({"attention_bias": True}, "attention_bias"),
+    ],
+)
+def test_unsupported_config_fields_are_named(changes, field, checkpoints, tmp_path):
+    bad = _edit(checkpoints("qwen3"), tmp_path / "bad", **changes)
+    with pytest.raises(UnsupportedConfigError, match=field):
+        ts.megatron_args_from_hf(bad)
+
+
+def test_moe_layer_patterns_rejected(checkpoints, tmp_path):
+    bad = _edit(checkpoints("qwen3_moe"), tmp_path / "bad", mlp_only_layers=[0])
+    with pytest.raises(UnsupportedConfigError, match="mlp_only_layers"):
+        ts.megatron_args_from_hf(bad)
+
+
+def test_tp_must_divide_kv_groups(checkpoints):
+    with pytest.raises(
+        ValueError, match="num_query_groups=2 is not divisible by tensor_model_parallel_size=4"
+    ):
+        ts.transformer_config_from_hf(checkpoints("qwen3"), tensor_model_parallel_size=4)
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ts.megatron_args_from_hf(tmp_path)
+
+
+def test_every_saved_field_has_a_policy(checkpoints):
+    for kind in ("qwen2", "qwen2_5", "qwen3", "qwen3_moe", "qwen2_moe"):
+        cfg = json.loads((checkpoints(kind) / "config.json").read_text())
+        assert set(cfg) <= set(FIELD_POLICY), set(cfg) - set(FIELD_POLICY)
+
+
+def test_config_fields_doc_is_current():
+    from twinkle_specs.docs import config_fields_markdown
+
+    doc = Path(__file__).parent.parent / "docs" / "config-fields.md"
+    assert doc.read_text() == config_fields_markdown(), (
+        "regenerate: python -m twinkle_specs.docs > docs/config-fields.md"
+    )
+
+
+def test_cli_args_prints_flags(checkpoints):
+    out = subprocess.run(
+        [sys.executable, "-m", "twinkle_specs.cli", "args", "--hf-model", str(checkpoints("qwen3"))],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.strip().endswith("--spec twinkle_specs qwen_layer_spec")
+
+
+def test_cli_error_names_the_problem(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "twinkle_specs.cli", "args", "--hf-model", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "config.json" in proc.stderr

@@ -1,0 +1,62 @@
+"""LoRA under tensor and pipeline parallelism (gloo CPU ranks, portable path, fp32):
+a PEFT adapter loaded into the layout gives PEFT's logits and PEFT's adapter gradients, and the
+layout's exported adapter loads into PEFT with the layout's logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+from test_lora_support import VOCAB, hf_model, make_checkpoint, randomize_peft, run_ranks, tokens
+
+WORKER = Path(__file__).parent / "test_lora_worker.py"
+TOL = 1e-4  # logits, max |Δ| (measured: see the report in docs/lora.md)
+GRAD_TOL = 1e-4  # adapter gradients, max |Δ| relative to the largest gradient
+
+
+def _peft_reference(hf: Path, adapter: Path):
+    model = peft.PeftModel.from_pretrained(hf_model(hf), adapter, is_trainable=True)
+    toks = tokens()
+    weights = torch.randn(*toks.shape, VOCAB, generator=torch.Generator().manual_seed(7))
+    logits = model(toks).logits
+    (logits * weights).sum().backward()
+    grads = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_" in n}
+    return logits.detach(), grads
+
+
+@pytest.mark.parametrize(
+    "kind,targets,layout",
+    [
+        ("qwen3", "all-linear", ["--tp", "2"]),
+        ("qwen2", ["q_proj", "v_proj", "up_proj"], ["--tp", "2"]),  # QKV bias, tied embeddings
+        ("qwen2", ["k_proj", "o_proj", "gate_proj", "down_proj"], ["--pp", "2"]),
+    ],
+    ids=["tp2-all-linear", "tp2-partial", "pp2-tied"],
+)
+def test_layout_matches_peft(kind, targets, layout, tmp_path):
+    hf = make_checkpoint(kind, tmp_path / "hf")
+    adapter = tmp_path / "adapter"
+    ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, lora_alpha=16, target_modules=targets))
+    randomize_peft(ref_model)
+    ref_model.save_pretrained(adapter)
+    run_ranks(2, WORKER, "--hf", str(hf), "--adapter", str(adapter), "--out", str(tmp_path), *layout)
+
+    ref_logits, ref_grads = _peft_reference(hf, adapter)
+    ours = torch.load(tmp_path / "logits_in.pt")
+    assert (ours - ref_logits).abs().max().item() <= TOL
+
+    grads = torch.load(tmp_path / "grads.pt")
+    assert sorted(grads) == sorted(ref_grads)
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    assert scale > 0
+    worst = max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
+    assert worst <= GRAD_TOL * scale, f"max |Δgrad| {worst} vs largest grad {scale}"
+
+    exported = peft.PeftModel.from_pretrained(hf_model(hf), tmp_path / "export").eval()
+    with torch.no_grad():
+        ref_out = exported(tokens()).logits
+    ours_out = torch.load(tmp_path / "logits_out.pt")
+    assert (ours_out - ref_logits).abs().max() > 1e-2  # the re-randomised adapter is a different one
+    assert (ours_out - ref_out).abs().max().item() <= TOL

@@ -1,0 +1,119 @@
+"""One gloo CPU rank of the multi-rank LoRA tests (run by torchrun from the tests; no tests here).
+
+peft mode: loads a PEFT adapter into a TP/PP/SP layout, writes full logits and the adapter gradients of
+a fixed loss (PEFT names, gathered), then exports the adapter after randomising it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _full_logits(model, toks: torch.Tensor, grad: bool) -> torch.Tensor | None:
+    """Pipeline-aware forward on one micro-batch; full-vocabulary logits on the last stage."""
+    from megatron.core import parallel_state as ps
+
+    pos = torch.arange(toks.shape[1]).expand_as(toks)
+    if not ps.is_pipeline_first_stage():
+        hidden = torch.empty(toks.shape[1], toks.shape[0], model.config.hidden_size, requires_grad=grad)
+        dist.recv(hidden.data, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+        model._recv = hidden
+    out = model(toks, pos, None)
+    if not ps.is_pipeline_last_stage():
+        model._sent = out
+        dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    return out
+
+
+def _backward(model, logits: torch.Tensor | None, weights: torch.Tensor) -> None:
+    """Loss = sum(logits * weights) over the full vocabulary, backward through every stage."""
+    from megatron.core import parallel_state as ps
+
+    if logits is not None:
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        vocab = logits.shape[-1]
+        w = torch.zeros(*weights.shape[:-1], vocab * tp)
+        w[..., : weights.shape[-1]] = weights
+        (logits * w[..., rank * vocab : (rank + 1) * vocab]).sum().backward()
+    else:
+        grad = torch.empty_like(model._sent)
+        dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
+        model._sent.backward(grad)
+    if not ps.is_pipeline_first_stage():
+        dist.send(model._recv.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+
+
+def _finalize_grads(model) -> None:
+    """What megatron's finalize_model_grads does for LoRA factors: sum sequence-parallel replicas."""
+    from megatron.core import parallel_state as ps
+
+    for p in model.parameters():
+        if p.grad is not None and getattr(p, "sequence_parallel", False):
+            dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+
+
+def _gather_logits(logits: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    parts = [torch.empty_like(logits) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, logits.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hf", required=True)
+    ap.add_argument("--adapter", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--sp", action="store_true")
+    args = ap.parse_args()
+
+    from megatron.core import parallel_state as ps
+    from test_lora_support import VOCAB, randomize_megatron, tokens
+
+    import twinkle_specs as ts
+    from twinkle_specs.lora import LoraConfig
+    from twinkle_specs.lora.peft_io import gather_peft_tensors
+
+    dist.init_process_group("gloo")
+    ps.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep)
+    out = Path(args.out)
+    model = ts.build_model(
+        args.hf, lora=LoraConfig.from_peft(args.adapter), sequence_parallel=args.sp, parallel_output=True
+    )
+    ts.load_peft_adapter(model, args.adapter)
+    toks = tokens()
+    weights = torch.randn(*toks.shape, VOCAB, generator=torch.Generator().manual_seed(7))
+    logits = _full_logits(model, toks, grad=True)
+    _backward(model, logits, weights)
+    _finalize_grads(model)
+    grads = gather_peft_tensors(model, grads=True)
+    last = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    if logits is not None and (full := _gather_logits(logits)) is not None and last:
+        torch.save(full[..., :VOCAB], out / "logits_in.pt")
+    if grads is not None:
+        torch.save(grads, out / "grads.pt")
+    randomize_megatron(model, seed=11)
+    with torch.no_grad():
+        logits = _full_logits(model.eval(), toks, grad=False)
+        if logits is not None:
+            full = _gather_logits(logits)
+            if last:
+                torch.save(full[..., :VOCAB], out / "logits_out.pt")
+    ts.export_peft_adapter(model, out / "export")
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

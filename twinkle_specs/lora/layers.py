@@ -1,0 +1,318 @@
+"""LoRA layers that wrap megatron-core's tensor-parallel linears (portable and Transformer Engine).
+
+Like PEFT's ``tuners/lora/layer.py``, a LoRA layer is its base layer plus ``lora_A``/``lora_B`` factors
+and knows how to merge and unmerge them. Here the wrapper *is* the base class (a subclass), so the base
+weight keeps its Megatron name (``...linear_qkv.weight``) for HF loading, checkpoints and export, and
+the factors sit beside it (``...linear_qkv.lora_A.q_proj``). Each factor is one PEFT adapter ("slot"):
+a fused linear (QKV, gate/up) holds one slot per adapted projection, so ``q_proj,v_proj`` targeting
+matches PEFT exactly.
+
+Tensor parallelism (Megatron's column/row convention):
+
+* column-parallel base: A replicated, B sharded on its output rows like the base weight. The rank-r
+  activation is all-gathered over the sequence (sequence parallel) or passed through
+  copy-to-TP (identity forward, all-reduce backward), so A's gradient sums every rank's B shard.
+* row-parallel base: A sharded on its input columns, B replicated. The rank-r partial sums are
+  all-reduced (or reduce-scattered over the sequence), exactly like the base output.
+
+Under sequence parallelism the replicated factor sees only this rank's tokens, so it is marked
+``sequence_parallel`` and megatron's ``finalize_model_grads`` all-reduces its gradient over TP, as it
+does for layer norms. Routed-expert factors carry ``allreduce = False`` (expert-parallel, like their
+base weights) and need expert-tensor-parallel size 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from .config import SITE_SLOTS, LoraConfig
+
+
+class LoraLayerMixin:
+    """Adapter factors, forward delta, merge/unmerge and sharded checkpointing for one linear.
+
+    Subclasses set ``lora_parallel`` ("column" or "row") and call :meth:`_init_lora` after the base
+    ``__init__``; ``num_gemms`` > 1 means per-expert factors stacked on dim 0 (grouped GEMM).
+    """
+
+    lora_parallel: str
+
+    def _init_lora(
+        self,
+        *,
+        input_size: int,
+        output_size: int,
+        site: str,
+        lora: LoraConfig,
+        config: Any,
+        is_expert: bool,
+        num_gemms: int = 0,
+    ) -> None:
+        self.lora_site = site
+        self.lora_slots = lora.slots(site)
+        self.lora_scaling = lora.scaling
+        self.lora_r = lora.r
+        self.lora_merged = False
+        self.lora_num_gemms = num_gemms
+        self.lora_dropout = torch.nn.Dropout(lora.lora_dropout) if lora.lora_dropout else torch.nn.Identity()
+        self.lora_is_expert = is_expert
+        if is_expert and lora.lora_dropout:
+            raise ValueError(
+                f"LoRA on routed experts ({site}) needs lora_dropout=0 (peft's target_parameters cannot "
+                "apply dropout either); set lora_dropout=0.0 or drop the expert targets"
+            )
+        if is_expert:
+            etp = ps.get_expert_tensor_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+            if etp != 1:
+                raise ValueError(
+                    f"LoRA on routed experts ({site}) needs expert_tensor_parallel_size=1, got {etp}; "
+                    "set --expert-tensor-parallel-size 1 or drop the expert targets"
+                )
+            self.lora_tp_size, self.lora_tp_group = 1, None
+        else:
+            self.lora_tp_size = ps.get_tensor_model_parallel_world_size()
+            self.lora_tp_group = ps.get_tensor_model_parallel_group()
+        self.lora_sequence_parallel = bool(config.sequence_parallel) and self.lora_tp_size > 1
+        self.lora_out_sizes = _slot_out_sizes(site, output_size, config)
+        self.lora_in_size = input_size
+        device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
+        self.lora_A = torch.nn.ParameterDict()
+        self.lora_B = torch.nn.ParameterDict()
+        tp, rank = self.lora_tp_size, (0 if is_expert else ps.get_tensor_model_parallel_rank())
+        stack = (num_gemms,) if num_gemms else ()
+        for slot in self.lora_slots:
+            # Full A drawn from the default CPU generator, which megatron seeds alike on every TP rank,
+            # so replicated factors agree across ranks; row-parallel ranks keep their column block.
+            a = torch.empty(*stack, lora.r, input_size)
+            torch.nn.init.uniform_(a, -1 / math.sqrt(input_size), 1 / math.sqrt(input_size))
+            b = torch.zeros(
+                *stack, self.lora_out_sizes[slot] // (tp if self.lora_parallel == "column" else 1), lora.r
+            )
+            if self.lora_parallel == "row":
+                a = a.chunk(tp, dim=-1)[rank]
+            self.lora_A[slot] = torch.nn.Parameter(
+                a.to(device=device, dtype=config.params_dtype).contiguous()
+            )
+            self.lora_B[slot] = torch.nn.Parameter(b.to(device=device, dtype=config.params_dtype))
+            sharded, replicated = (
+                (self.lora_B[slot], self.lora_A[slot])
+                if self.lora_parallel == "column"
+                else (self.lora_A[slot], self.lora_B[slot])
+            )
+            dim = (0 if self.lora_parallel == "column" else 1) + len(stack)
+            set_tensor_model_parallel_attributes(sharded, tp > 1, dim, 1)
+            set_tensor_model_parallel_attributes(replicated, False, 0, 1)
+            if self.lora_sequence_parallel:
+                replicated.sequence_parallel = True
+            if is_expert:
+                for p in (sharded, replicated):
+                    p.allreduce = False
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def lora_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the adapter sees: the linear's input (norm-fused linears override this)."""
+        return x
+
+    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """scaling * B(A(dropout(x))) for every slot, laid out like the base output shard."""
+        x = self.lora_input(x)
+        deltas = {}
+        for slot in self.lora_slots:
+            h = F.linear(self.lora_dropout(x), self.lora_A[slot])
+            h = self._lora_comm(h)
+            deltas[slot] = F.linear(h, self.lora_B[slot]) * self.lora_scaling
+        return self._lora_fuse(deltas)
+
+    def _lora_comm(self, h: torch.Tensor) -> torch.Tensor:
+        if self.lora_tp_size == 1:
+            return h
+        if self.lora_parallel == "column":
+            if self.lora_sequence_parallel:
+                return gather_from_sequence_parallel_region(h, group=self.lora_tp_group)
+            return copy_to_tensor_model_parallel_region(h, group=self.lora_tp_group)
+        if self.lora_sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(h, group=self.lora_tp_group)
+        return reduce_from_tensor_model_parallel_region(h, group=self.lora_tp_group)
+
+    def _lora_fuse(self, deltas: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Places per-slot deltas in the fused output: QKV interleaved per query group, [gate; up]."""
+        slots = SITE_SLOTS[self.lora_site]
+        if len(slots) == 1:
+            return deltas[slots[0]]
+        ref = next(iter(deltas.values()))
+        tp = self.lora_tp_size
+        parts = [
+            deltas[s] if s in deltas else ref.new_zeros(*ref.shape[:-1], self.lora_out_sizes[s] // tp)
+            for s in slots
+        ]
+        if self.lora_site != "linear_qkv":
+            return torch.cat(parts, dim=-1)
+        groups = self.config.num_query_groups // tp
+        parts = [p.reshape(*p.shape[:-1], groups, -1) for p in parts]
+        return torch.cat(parts, dim=-1).flatten(-2)
+
+    def _lora_add(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.lora_merged or not self.lora_slots:
+            return out
+        return out + self.lora_delta(x).to(out.dtype)
+
+    # -- merge -----------------------------------------------------------------------------------
+
+    def lora_delta_weight(self, gemm: int | None = None) -> torch.Tensor:
+        """scaling * B @ A in fp32, shaped like this rank's base weight (of expert ``gemm``)."""
+        pick = (lambda t: t[gemm]) if gemm is not None else (lambda t: t)
+        deltas = {
+            s: pick(self.lora_B[s]).float() @ pick(self.lora_A[s]).float() * self.lora_scaling
+            for s in self.lora_slots
+        }
+        return self._lora_fuse({s: d.t() for s, d in deltas.items()}).t()
+
+    def lora_base_weights(self) -> list[tuple[int | None, torch.nn.Parameter]]:
+        if self.lora_num_gemms:
+            return [(g, getattr(self, f"weight{g}")) for g in range(self.lora_num_gemms)]
+        return [(None, self.weight)]
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Folds the adapters into the base weight in fp32; the exact base is kept for unmerge."""
+        if self.lora_merged or not self.lora_slots:
+            return
+        self._lora_saved = []
+        for gemm, weight in self.lora_base_weights():
+            self._lora_saved.append(weight.detach().clone())
+            weight.copy_((weight.float() + self.lora_delta_weight(gemm)).to(weight.dtype))
+        self.lora_merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Restores the base weight bit-for-bit (from the copy taken by :meth:`merge`)."""
+        if not self.lora_merged:
+            return
+        for (_, weight), saved in zip(self.lora_base_weights(), self._lora_saved, strict=True):
+            weight.copy_(saved)
+        del self._lora_saved
+        self.lora_merged = False
+
+    # -- checkpointing ---------------------------------------------------------------------------
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """The base's sharded state plus the factors with their own TP axes (B rows / A columns).
+
+        The base implementations treat unknown keys as replicated, which would keep only one TP rank's
+        shard of B (column) or A (row); this is why the factors are described here explicitly.
+        """
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for key in [k for k in out if k[len(prefix) :].startswith(("lora_A.", "lora_B."))]:
+            del out[key]
+        factors = {f"lora_{n}.{s}": getattr(self, f"lora_{n}")[s] for n in "AB" for s in self.lora_slots}
+        sharded = "lora_B." if self.lora_parallel == "column" else "lora_A."
+        stack = 1 if self.lora_num_gemms else 0
+        axes = {
+            k: (0 if self.lora_parallel == "column" else 1) + stack for k in factors if k.startswith(sharded)
+        }
+        metadata = metadata or {}
+        if self.lora_num_gemms:
+            return out | _grouped_sharded(factors, prefix, axes, sharded_offsets, self)
+        out |= make_sharded_tensors_for_checkpoint(
+            factors,
+            prefix,
+            axes,
+            sharded_offsets,
+            tp_group=self.lora_tp_group,
+            dp_cp_group=metadata.get("dp_cp_group"),
+        )
+        return out
+
+
+def _grouped_sharded(factors, prefix, axes, sharded_offsets, layer) -> dict:
+    """Per-expert factors stacked on dim 0: one ShardedTensor per expert at its global index."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    ep_rank = ps.get_expert_model_parallel_rank()
+    ep_size = ps.get_expert_model_parallel_world_size()
+    local = layer.lora_num_gemms
+    dp_rank = ps.get_expert_data_parallel_rank()
+    out = {}
+    for key, t in factors.items():
+        out[f"{prefix}{key}"] = ShardedTensor.from_rank_offsets(
+            f"{prefix}{key}",
+            t,
+            *sharded_offsets,
+            (len(sharded_offsets), ep_rank * local, ep_size * local),
+            replica_id=(0, 0, dp_rank),
+            prepend_axis_num=len(sharded_offsets),
+        )
+    return out
+
+
+def _slot_out_sizes(site: str, output_size: int, config: Any) -> dict[str, int]:
+    """Global output rows of every slot of ``site`` (QKV from the head counts, gate/up halves)."""
+    if site == "linear_qkv":
+        d = config.kv_channels
+        sizes = {"q_proj": config.num_attention_heads * d}
+        sizes |= {"k_proj": config.num_query_groups * d, "v_proj": config.num_query_groups * d}
+    elif site == "linear_fc1":
+        sizes = {"gate_proj": output_size // 2, "up_proj": output_size // 2}
+    else:
+        sizes = {SITE_SLOTS[site][0]: output_size}
+    if sum(sizes.values()) != output_size:
+        raise ValueError(f"LoRA {site}: slot sizes {sizes} do not add up to the linear's {output_size} rows")
+    return sizes
+
+
+class LoraColumnParallelLinear(LoraLayerMixin, ColumnParallelLinear):
+    """Portable ColumnParallelLinear (linear_qkv, linear_fc1) with LoRA."""
+
+    lora_parallel = "column"
+
+    def __init__(self, input_size: int, output_size: int, *, lora_site: str, lora: LoraConfig, **kwargs: Any):
+        super().__init__(input_size, output_size, **kwargs)
+        self._init_lora(
+            input_size=input_size,
+            output_size=output_size,
+            site=lora_site,
+            lora=lora,
+            config=kwargs["config"],
+            is_expert=kwargs.get("is_expert", False),
+        )
+
+    def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any):
+        out, bias = super().forward(input_, *args, **kwargs)
+        return self._lora_add(out, input_), bias
+
+
+class LoraRowParallelLinear(LoraLayerMixin, RowParallelLinear):
+    """Portable RowParallelLinear (linear_proj, linear_fc2) with LoRA."""
+
+    lora_parallel = "row"
+
+    def __init__(self, input_size: int, output_size: int, *, lora_site: str, lora: LoraConfig, **kwargs: Any):
+        super().__init__(input_size, output_size, **kwargs)
+        self._init_lora(
+            input_size=input_size,
+            output_size=output_size,
+            site=lora_site,
+            lora=lora,
+            config=kwargs["config"],
+            is_expert=kwargs.get("is_expert", False),
+        )
+
+    def forward(self, input_: torch.Tensor):
+        out, bias = super().forward(input_)
+        return self._lora_add(out, input_), bias

@@ -1,0 +1,302 @@
+"""Exchange of LoRA adapters with Hugging Face PEFT (adapter_config.json + adapter_model.safetensors).
+
+Names come from :mod:`twinkle_specs.weight_map` (``bind`` gives each Megatron linear its HF tensors,
+with global layer and expert indices), so a slot ``q_proj`` of ``decoder.layers.3.self_attention
+.linear_qkv`` becomes ``base_model.model.model.layers.<global 3>.self_attn.q_proj.lora_A.weight``.
+Every slot's factors are contiguous blocks of the PEFT tensors on each TP rank (B rows for
+column-parallel bases, A columns for row-parallel ones), which is how Megatron shards the base weights.
+
+Routed experts use peft's ``target_parameters`` layout on transformers' fused expert tensors (what vLLM
+reads for MoE LoRA too): ``lora_A`` is [r * E, in] (expert-major), ``lora_B`` is [out, r * E]
+(rank-major, expert-minor); with both expert parameters targeted, peft nests its wrappers and the
+gate_up_proj factors sit under ``experts.base_layer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..hf_config import qwen_arch_from_hf
+from ..parallel import model_chunks
+from ..weight_map import bind
+from .config import LoraConfig
+from .layers import LoraLayerMixin
+from .model import lora_modules
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One factor of one slot on this rank, with where it lives in the PEFT file."""
+
+    param: torch.nn.Parameter  # this rank's factor (for grouped experts: all local experts stacked)
+    index: int | None  # the local expert within a stacked factor
+    key: str  # PEFT tensor name
+    tp_dim: int | None  # dimension split over TP ranks, None when replicated
+    expert: int | None  # global expert index for routed experts (PEFT stacks them)
+    num_experts: int
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.param if self.index is None else self.param[self.index]
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        g = self.param.grad
+        return g if g is None or self.index is None else g[self.index]
+
+
+def _lora_config(model) -> LoraConfig:
+    config = getattr(model_chunks(model)[0].config, "lora", None)
+    if config is None:
+        raise ValueError(
+            "the model has no LoRA config: build it with build_model(hf_dir, lora=LoraConfig(...))"
+        )
+    return config
+
+
+def model_sites(model) -> dict[str, tuple[str, ...]]:
+    """The sites and slots this model actually adapts (a Megatron name may name absent experts)."""
+    return {layer.lora_site: layer.lora_slots for _, _, layer in lora_modules(model)}
+
+
+def _hf_source(model) -> str:
+    src = getattr(model_chunks(model)[0], "hf_source_dir", None)
+    if src is None:
+        raise ValueError(
+            "the model does not know its Hugging Face base (load_hf_weights sets it): build it with "
+            "build_model(hf_dir, lora=...) so adapters can be named after the HF model"
+        )
+    return src
+
+
+def factors(model) -> Iterator[Factor]:
+    """Every adapter factor of this rank with its PEFT name and layout."""
+    arch = qwen_arch_from_hf(_hf_source(model))
+    expert_sites = {s for s in model_sites(model) if s.startswith("experts.")}
+    ep_rank = ps.get_expert_model_parallel_rank()
+    local_experts = (arch.num_experts or 0) // ps.get_expert_model_parallel_world_size()
+    chunks = model_chunks(model)
+    for index, name, layer in lora_modules(model):
+        chunk = chunks[index]
+        layers = chunk.decoder.layers
+
+        def global_layer(i: int, layers=layers) -> int:
+            return layers[i].layer_number - 1
+
+        gemms = range(layer.lora_num_gemms) if layer.lora_num_gemms else [None]
+        for gemm in gemms:
+            weight_name = f"{name}.weight" if gemm is None else f"{name}.weight{gemm}"
+            binding = bind(
+                weight_name, arch, chunk.vocab_size, global_layer, lambda e: ep_rank * local_experts + e
+            )
+            yield from _slot_factors(layer, binding.hf_names, gemm, expert_sites, arch.num_experts or 0)
+
+
+def _slot_factors(layer: LoraLayerMixin, hf_names, gemm, expert_sites, num_experts) -> Iterator[Factor]:
+    column = layer.lora_parallel == "column"
+    tp_dims = {"A": None if column else 1, "B": 0 if column else None} if layer.lora_tp_size > 1 else {}
+    for slot in layer.lora_slots:
+        if layer.lora_site.startswith("experts."):
+            # model.layers.L.mlp.experts.E.gate_proj.weight -> model.layers.L.mlp.experts, expert E
+            parts = hf_names[0].split(".")
+            module, expert = ".".join(parts[:-3]), int(parts[-3])
+            nested = slot == "gate_up_proj" and len(expert_sites) == 2
+            base = f"{PREFIX}{module}{'.base_layer' if nested else ''}"
+        else:
+            (hf,) = [n for n in hf_names if n.split(".")[-2] == slot]
+            base, expert = f"{PREFIX}{hf.removesuffix('.weight')}", None
+        for which in "AB":
+            tensor = getattr(layer, f"lora_{which}")[slot]
+            yield Factor(
+                tensor,
+                gemm,
+                f"{base}.lora_{which}.weight",
+                tp_dims.get(which),
+                expert,
+                num_experts,
+            )
+
+
+def _gather_tp(t: torch.Tensor, dim: int) -> torch.Tensor:
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _to_peft_experts(per_expert: dict[int, torch.Tensor], which: str, key: str, num: int) -> torch.Tensor:
+    missing = sorted(set(range(num)) - set(per_expert))
+    if missing:
+        raise RuntimeError(f"{key}: experts {missing} were not found on any rank")
+    stacked = torch.stack([per_expert[e] for e in range(num)])  # [E, r, in] or [E, out, r]
+    if which == "A":
+        return stacked.reshape(-1, stacked.shape[-1])
+    return stacked.permute(1, 2, 0).reshape(stacked.shape[1], -1)
+
+
+def gather_peft_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] | None:
+    """Every factor (or its gradient) under its PEFT name, full size, on global rank 0 (None elsewhere).
+
+    Collective over all ranks: shards are gathered over TP, stages and experts over PP and EP.
+    """
+    local: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    num_experts = 0
+    for f in factors(model):
+        t = (f.grad if grads else f.tensor).detach()
+        if f.tp_dim is not None:
+            t = _gather_tp(t, f.tp_dim)
+        if f.expert is None:
+            local[f.key] = t.cpu()
+        else:
+            experts.setdefault(f.key, {})[f.expert] = t.cpu()
+            num_experts = f.num_experts
+    gathered = [(local, experts, num_experts)]
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (local, experts, num_experts))
+        if dist.get_rank() != 0:
+            return None
+    tensors: dict[str, torch.Tensor] = {}
+    all_experts: dict[str, dict[int, torch.Tensor]] = {}
+    for rank_local, rank_experts, rank_num in gathered:
+        tensors |= rank_local
+        num_experts = max(num_experts, rank_num)
+        for key, per in rank_experts.items():
+            all_experts.setdefault(key, {}).update(per)
+    for key, per in all_experts.items():
+        tensors[key] = _to_peft_experts(per, key.split(".")[-2][-1], key, num_experts)
+    return tensors
+
+
+def export_peft_adapter(
+    model, out_dir: str | Path, base_model_name_or_path: str | None = None
+) -> Path | None:
+    """Writes the adapters as a PEFT adapter directory that ``PeftModel.from_pretrained`` loads.
+
+    Collective: every rank of the model's parallel layout must call it; global rank 0 writes and
+    returns the directory. The file holds the factors in the model's parameter dtype.
+    """
+    lora = _lora_config(model)
+    sites = model_sites(model)
+    tensors = gather_peft_tensors(model)
+    out = Path(out_dir)
+    if tensors is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {k: v.contiguous() for k, v in sorted(tensors.items())}, out / ADAPTER_WEIGHTS, {"format": "pt"}
+        )
+        _peft_config(lora, sites, base_model_name_or_path or _hf_source(model)).save_pretrained(str(out))
+    if dist.is_initialized():
+        dist.barrier()
+    return out if tensors is not None else None
+
+
+def _peft_config(lora: LoraConfig, sites: dict[str, tuple[str, ...]], base: str):
+    import peft
+
+    modules = sorted({s for site, slots in sites.items() if not site.startswith("experts.") for s in slots})
+    parameters = sorted(
+        f"mlp.experts.{s}" for site, slots in sites.items() if site.startswith("experts.") for s in slots
+    )
+    return peft.LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
+        use_rslora=lora.use_rslora,
+        target_modules=modules or None,
+        target_parameters=parameters or None,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base,
+    )
+
+
+def load_peft_adapter(model, adapter_dir: str | Path) -> None:
+    """Loads a PEFT LoRA adapter (made by peft or :func:`export_peft_adapter`) into this rank's factors.
+
+    The model must have been built with the adapter's configuration (``LoraConfig.from_peft(dir)``);
+    every tensor of the file must be used and have the shape this base model implies.
+    """
+    adapter_dir = Path(adapter_dir)
+    theirs, ours = LoraConfig.from_peft(adapter_dir), _lora_config(model)
+    mismatch = [
+        f"{k}: adapter {getattr(theirs, k)!r}, model {getattr(ours, k)!r}"
+        for k in ("r", "lora_alpha", "use_rslora")
+        if getattr(theirs, k) != getattr(ours, k)
+    ]
+    sites = model_sites(model)
+    if {k: v for k, v in theirs.sites.items() if k in sites or not k.startswith("experts.")} != sites:
+        mismatch.append(f"targets: adapter {theirs.sites}, model {sites}")
+    if mismatch:
+        raise ValueError(
+            f"{adapter_dir}: the adapter does not match the model's LoRA config ({'; '.join(mismatch)}); "
+            f"build the model with lora=LoraConfig.from_peft({str(adapter_dir)!r})"
+        )
+    path = adapter_dir / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (only safetensors adapters are supported)")
+    with safe_open(str(path), framework="pt") as f:
+        available = {k.replace(".default.", "."): k for k in f.keys()}
+        used: set[str] = set()
+        for fac in factors(model):
+            if fac.key not in available:
+                raise ValueError(
+                    f"{path}: tensor {fac.key!r} is missing; was the adapter made for this base model?"
+                )
+            full = f.get_tensor(available[fac.key])
+            value = _slice_for_rank(full, fac, path)
+            if tuple(value.shape) != tuple(fac.tensor.shape):
+                raise ValueError(
+                    f"{path}: {fac.key!r} gives shape {list(value.shape)} for this rank's factor of shape "
+                    f"{list(fac.tensor.shape)}; the adapter was made for a different base model or rank"
+                )
+            with torch.no_grad():
+                fac.tensor.copy_(value.to(fac.tensor.dtype))
+            used.add(fac.key)
+    if dist.is_initialized():
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, used)
+        used = set().union(*everyone)
+    unused = sorted(set(available) - used)
+    if unused:
+        raise ValueError(
+            f"{path}: tensors {unused[:6]} match no LoRA factor of this model "
+            "(more layers or other targets than the base model has: a different base?)"
+        )
+
+
+def _slice_for_rank(full: torch.Tensor, fac: Factor, path: Path) -> torch.Tensor:
+    if fac.expert is not None:
+        which = fac.key.split(".")[-2][-1]
+        e = fac.num_experts
+        if which == "A":
+            if full.shape[0] % e:
+                raise ValueError(
+                    f"{path}: {fac.key!r} rows {full.shape[0]} are not a multiple of {e} experts"
+                )
+            full = full.reshape(e, -1, full.shape[-1])[fac.expert]
+        else:
+            if full.shape[1] % e:
+                raise ValueError(
+                    f"{path}: {fac.key!r} columns {full.shape[1]} are not a multiple of {e} experts"
+                )
+            full = full.reshape(full.shape[0], -1, e)[:, :, fac.expert]
+    if fac.tp_dim is not None:
+        size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        if full.shape[fac.tp_dim] % size:
+            raise ValueError(f"{path}: {fac.key!r} dim {fac.tp_dim} is not divisible by TP size {size}")
+        full = full.chunk(size, dim=fac.tp_dim)[rank]
+    return full
