@@ -11,6 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from .config_mapping import transformer_config_from_hf
 from .hf_config import qwen_arch_from_hf
 from .loading import load_hf_weights
+from .lora import LoraConfig, prepare_lora_model
 from .spec import qwen_layer_spec
 
 
@@ -26,12 +27,14 @@ def build_model(
     load_weights: bool = True,
     parallel_output: bool = False,
     vp_stage: int | None = None,
+    lora: LoraConfig | None = None,
     **overrides: Any,
 ) -> GPTModel:
     """This rank's GPTModel stage built from ``qwen_layer_spec``, with the HF weights loaded.
 
     Needs megatron's parallel state initialized. ``overrides`` go to the TransformerConfig
     (e.g. ``params_dtype=torch.float32``, ``sequence_parallel=True``, ``moe_grouped_gemm=True``).
+    With ``lora``, the spec wraps the targeted linears and every base parameter is frozen.
     """
     if not ps.model_parallel_is_initialized():
         raise RuntimeError(
@@ -40,6 +43,8 @@ def build_model(
         )
     arch = qwen_arch_from_hf(hf_dir)
     config = transformer_config_from_hf(hf_dir, **overrides)
+    if lora is not None:
+        config.lora = lora  # read by qwen_layer_submodules
     model = GPTModel(
         config=config,
         transformer_layer_spec=qwen_layer_spec,
@@ -55,4 +60,6 @@ def build_model(
     )
     if load_weights:
         load_hf_weights(model, hf_dir)
+    if lora is not None:
+        prepare_lora_model(model)
     return model

@@ -105,7 +105,13 @@ def qwen_layer_submodules(config: TransformerConfig) -> TransformerLayerSubmodul
             "qwen_layer_spec expects a Qwen config: --normalization RMSNorm --swiglu --disable-bias-linear "
             "(twinkle-specs args --hf-model DIR prints the full set of flags)"
         )
-    return _megatron_layer_submodules(config)
+    submodules = _megatron_layer_submodules(config)
+    lora = getattr(config, "lora", None)
+    if lora is not None:
+        from .lora.spec import lora_layer_submodules
+
+        submodules = lora_layer_submodules(submodules, lora)
+    return submodules
 
 
 class QwenTransformerLayer(TransformerLayer):
