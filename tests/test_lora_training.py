@@ -1,0 +1,136 @@
+"""LoRA training semantics on CPU (portable path, fp32, TP=1): frozen base, gradients under full
+activation recompute, a short run that lowers the loss without touching the base, merge/unmerge."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+from test_lora_support import (
+    VOCAB,
+    hf_model,
+    make_checkpoint,
+    megatron_logits,
+    randomize_megatron,
+    single_rank,  # noqa: F401  (fixture)
+    tokens,
+)
+
+import twinkle_specs as ts
+from twinkle_specs import LoraConfig, export_peft_adapter, merge_lora, unmerge_lora
+from twinkle_specs.lora import adapter_parameters
+from twinkle_specs.parallel import is_adapter_param
+
+TOL = 1e-4  # fp32 logits, max |Δ|
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return make_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture
+def host_rng(monkeypatch):
+    """megatron's recompute saves/restores CUDA RNG states, which a CPU-only torch cannot read; keep
+    the CPU generator's state only (what the recomputed forward needs here: no dropout is active)."""
+    import megatron.core.tensor_parallel.random as rng
+
+    monkeypatch.setattr(rng, "_get_all_rng_states", lambda: (torch.get_rng_state(), None, {}))
+    monkeypatch.setattr(rng, "_set_all_rng_states", lambda cpu, _cuda, _tracker: torch.set_rng_state(cpu))
+
+
+def _loss(model, toks: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(toks.shape[1]).expand_as(toks)
+    logits = model(toks, pos, None)[..., :VOCAB]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), toks[:, 1:].reshape(-1))
+
+
+def _adapter_grads(model) -> dict[str, torch.Tensor]:
+    return {
+        n: p.grad.clone() for n, p in model.named_parameters() if is_adapter_param(n) and p.grad is not None
+    }
+
+
+def test_only_adapters_train(hf, single_rank):  # noqa: F811
+    model = ts.build_model(hf, lora=LoraConfig(r=4, target_modules="all-linear"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    adapters = {n for n, _ in model.named_parameters() if is_adapter_param(n)}
+    assert trainable == adapters and len(adapters) == 2 * 2 * 7  # 2 layers x 7 projections x (A, B)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    for must in ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"):
+        assert must in frozen
+    assert len(adapter_parameters(model)) == len(adapters)
+
+
+def test_adapter_grads_under_full_recompute(hf, single_rank, host_rng):  # noqa: F811
+    lora = LoraConfig(r=4, target_modules="all-linear")
+    plain = ts.build_model(hf, lora=lora)
+    randomize_megatron(plain)
+    _loss(plain, tokens()).backward()
+    want = _adapter_grads(plain)
+
+    model = ts.build_model(hf, lora=lora, **RECOMPUTE)
+    randomize_megatron(model)
+    _loss(model, tokens()).backward()
+    got = _adapter_grads(model)
+    assert sorted(got) == sorted(want)
+    assert all(g.abs().max() > 0 for g in got.values()), "an adapter got a zero gradient"
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+
+    # Without the input hook the recomputed block has no graph: this is the bug the hook fixes.
+    model.zero_grad(set_to_none=True)
+    model._lora_input_hook.remove()
+    assert not _loss(model, tokens()).requires_grad
+
+
+def test_short_training_lowers_loss_and_keeps_base(hf, single_rank, host_rng):  # noqa: F811
+    model = ts.build_model(hf, lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"), **RECOMPUTE)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter_param(n)}
+    opt = torch.optim.AdamW(adapter_parameters(model), lr=1e-2)
+    toks = tokens(s=32)
+    losses = []
+    for _ in range(15):
+        opt.zero_grad()
+        loss = _loss(model, toks)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    for n, p in model.named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]), f"base weight {n} changed"
+
+
+def test_merge_unmerge_and_merged_export(hf, single_rank, tmp_path):  # noqa: F811
+    model = ts.build_model(
+        hf, lora=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
+    )
+    model.eval()
+    randomize_megatron(model)
+    with_adapter = megatron_logits(model, tokens())
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter_param(n)}
+    merge_lora(model)
+    merged = megatron_logits(model, tokens())
+    assert (merged - with_adapter).abs().max().item() <= TOL
+    changed = [n for n, p in model.named_parameters() if n in base and not torch.equal(p, base[n])]
+    assert changed and all(("linear_qkv" in n or "linear_fc" in n) for n in changed)
+
+    ts.save_hf_weights(model, tmp_path / "merged")
+    unmerge_lora(model)
+    for n, p in model.named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]), f"unmerge did not restore {n}"
+    assert torch.equal(megatron_logits(model, tokens()), with_adapter)
+
+    # The merged HF checkpoint equals HF + the exported PEFT adapter, and PEFT's own merge.
+    export_peft_adapter(model, tmp_path / "adapter")
+    reference = peft.PeftModel.from_pretrained(hf_model(hf), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        ref = reference(tokens()).logits
+        merged_hf = hf_model(tmp_path / "merged")(tokens()).logits
+        peft_merged = reference.merge_and_unload()(tokens()).logits
+    assert (merged_hf - ref).abs().max().item() <= TOL
+    assert (merged_hf - peft_merged).abs().max().item() <= TOL
+    assert (merged_hf - with_adapter).abs().max().item() <= TOL
