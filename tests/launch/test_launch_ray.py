@@ -1,0 +1,364 @@
+"""launch/ray/launch.py on a real local Ray cluster (head + a second raylet, loopback, CPU actors, gloo).
+
+Why: the launcher's promises are about a live cluster (placement, env per rank, collectives, a dead
+actor taking the group down, restarts resuming from the checkpoint), so each is checked by running the
+launcher as users do, as a separate driver process, against one cluster started for this module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip(
+    "ray", reason="ray is not installed: pip install 'ray[default]==2.60.0' (extra 'ray')"
+)
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH = REPO / "launch" / "ray" / "launch.py"
+DIST_CHECK = Path(__file__).resolve().parent / "dist_check.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ray_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    # Ray maps 127.0.0.1 to the host's outward IP unless told this is a one-machine cluster; the tests must
+    # stay on loopback, so the cluster is single-node (multi-node ordering is covered by test_nodes_ordered...).
+    env.update(
+        RAY_USAGE_STATS_ENABLED="0",
+        PYTHONUNBUFFERED="1",
+        RAY_DEDUP_LOGS="0",
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        RAY_AUTH_MODE="token",  # ray start enables token auth; drivers must opt in to send the token
+    )
+    return env
+
+
+def _alive_nodes(address: str) -> int:
+    code = "import ray,sys; ray.init(address=sys.argv[1], log_to_driver=False); print(sum(n['Alive'] for n in ray.nodes()))"
+    out = subprocess.run(
+        [sys.executable, "-c", code, address], env=_ray_env(), capture_output=True, text=True, timeout=60
+    )
+    return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """A head node with 4 CPUs on 127.0.0.1, started by `ray start --block` for this module, stopped after."""
+    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    log = open(Path(temp) / "head.out", "wb")  # noqa: SIM115
+    head = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--num-cpus=4",
+            "--num-gpus=0",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={temp}",
+            "--block",
+        ],
+        env=_ray_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+    def stop() -> None:
+        if head.poll() is None:
+            head.send_signal(signal.SIGTERM)  # with --block, `ray start` stops every process it started
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=5)
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+    try:
+        deadline = time.monotonic() + 90
+        while _alive_nodes(address) < 1:
+            if head.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(
+                    "ray start --head failed:\n" + (Path(temp) / "head.out").read_text()[-3000:]
+                )
+            time.sleep(1)
+    except BaseException:
+        stop()
+        raise
+    try:
+        yield address
+    finally:
+        stop()
+
+
+def _launch(
+    address: str, launcher_args: list[str], program: list[str], timeout: float = 120, **popen: object
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        str(LAUNCH),
+        "--address",
+        address,
+        "--entry",
+        sys.executable,
+        *launcher_args,
+        "--",
+        *program,
+    ]
+    return subprocess.run(
+        cmd, env=_ray_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO, **popen
+    )
+
+
+def _results(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "procs", "tp"),
+    [(1, 1, 1), (1, 2, 2), (1, 3, 1)],
+    ids=["world1", "world2-tp2", "world3"],
+)
+def test_env_and_collectives(cluster: str, tmp_path: Path, nodes: int, procs: int, tp: int) -> None:
+    """Every rank gets a consistent env; gloo all-reduce and megatron TP/DP groups give the expected sums."""
+    out = tmp_path / "out"
+    res = _launch(
+        cluster,
+        ["--nodes", str(nodes), "--procs-per-node", str(procs), "--log-dir", str(tmp_path / "l")],
+        [str(DIST_CHECK), "--out", str(out), "--tp", str(tp)],
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    world = nodes * procs
+    recs = _results(out, world)
+    ports = {r["env"]["MASTER_PORT"] for r in recs}
+    assert len(ports) == 1 and int(ports.pop()) > 0
+    for r, rec in enumerate(recs):
+        env = rec["env"]
+        assert env["RANK"] == str(r) and env["WORLD_SIZE"] == str(world)
+        assert env["LOCAL_RANK"] == str(r % procs) and env["LOCAL_WORLD_SIZE"] == str(procs)
+        assert env["NODE_RANK"] == str(r // procs)
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["CUDA_VISIBLE_DEVICES"] == ""
+        assert rec["allreduce"] == rec["expected"] == world * (world + 1) / 2
+        assert rec["tp_size"] == tp and rec["tp_rank"] == r % tp and rec["tp_allreduce"] == tp
+        assert rec["dp_size"] == world // tp and rec["dp_allreduce"] == world // tp
+    # Each rank's output is streamed to the driver with its rank prefix and kept in --log-dir.
+    for r in range(world):
+        assert f"[rank {r}] dist_check: rank {r}/{world}" in res.stdout
+        assert "ok=True" in (tmp_path / "l" / "attempt_0" / f"rank_{r}.log").read_text()
+
+
+def test_more_nodes_than_the_cluster_has_is_refused(cluster: str, tmp_path: Path) -> None:
+    res = _launch(
+        cluster, ["--nodes", "2", "--procs-per-node", "1"], [str(DIST_CHECK), "--out", str(tmp_path)]
+    )
+    assert res.returncode == 2 and "need 2 node(s) with CPU>=1 and GPU>=0" in res.stderr, res.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_killed_actor_stops_the_group(cluster: str, tmp_path: Path) -> None:
+    """SIGKILL one rank's actor: the driver tears everything down within seconds and exits non-zero."""
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        str(LAUNCH),
+        "--address",
+        cluster,
+        "--entry",
+        sys.executable,
+        "--nodes",
+        "1",
+        "--procs-per-node",
+        "2",
+        "--",
+        str(DIST_CHECK),
+        "--out",
+        str(out),
+        "--train-iters",
+        "1000",
+        "--iter-seconds",
+        "0.2",
+    ]
+    drv = subprocess.Popen(
+        cmd, env=_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
+    actor_pids: dict[int, int] = {}
+    proc_pids: dict[int, int] = {}
+    assert drv.stdout is not None
+    deadline = time.monotonic() + 90
+    for line in drv.stdout:  # the driver logs each rank's actor pid and process pid at start
+        m = re.search(r"rank (\d) \(.*\): actor pid (\d+), process pid (\d+)", line)
+        if m:
+            actor_pids[int(m[1])], proc_pids[int(m[1])] = int(m[2]), int(m[3])
+        if "iteration 2/" in line or time.monotonic() > deadline:
+            break
+    assert len(actor_pids) == 2, "driver did not report both ranks"
+    os.kill(actor_pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        rest, err = drv.communicate(timeout=60)
+    finally:
+        drv.kill()
+    elapsed = time.monotonic() - t0
+    assert drv.returncode != 0
+    assert "rank 1 (node 0 127.0.0.1, local rank 1) died" in err, err
+    assert elapsed < 30, f"teardown took {elapsed:.1f}s"
+    for pid in (*proc_pids.values(), actor_pids[0]):
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(pid), f"pid {pid} still running after the group was torn down"
+
+
+def test_raising_rank_fails_fast_with_reason(cluster: str, tmp_path: Path) -> None:
+    """A rank that exits non-zero: its rank, exit code and last output are reported; exit code non-zero."""
+    t0 = time.monotonic()
+    res = _launch(
+        cluster,
+        ["--nodes", "1", "--procs-per-node", "2"],
+        [str(DIST_CHECK), "--out", str(tmp_path), "--raise-rank", "1"],
+        timeout=90,
+    )
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert "rank 1 (node 0 127.0.0.1, local rank 1) exited with code 3" in res.stderr
+    assert "raising on purpose" in res.stderr  # the tail of the rank's output
+    assert time.monotonic() - t0 < 60
+
+
+def test_max_restarts_resumes_from_checkpoint(cluster: str, tmp_path: Path) -> None:
+    """Rank 1 crashes once at iteration 3; --max-restarts 1 reruns the group, which resumes at 2."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    res = _launch(
+        cluster,
+        ["--nodes", "1", "--procs-per-node", "2", "--max-restarts", "1", "--ckpt-dir", str(ckpt)],
+        [str(DIST_CHECK), "--out", str(out), "--train-iters", "5", "--fail-rank", "1", "--fail-at-iter", "3"],
+        timeout=180,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "rank 1 (node 0 127.0.0.1, local rank 1) was killed by SIGKILL" in res.stderr
+    assert "restarting the whole group (1/1)" in res.stdout
+    assert "attempt 1: resuming from" in res.stdout and "latest_checkpointed_iteration.txt: 2)" in res.stdout
+    for rec in _results(out, 2):
+        assert rec["env"]["TWINKLE_RESTART_COUNT"] == "1"
+        assert rec["start_iteration"] == 2 and rec["end_iteration"] == 5
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
+
+
+def test_restarts_exhausted_exit_non_zero(cluster: str, tmp_path: Path) -> None:
+    res = _launch(
+        cluster,
+        ["--nodes", "1", "--procs-per-node", "1", "--max-restarts", "1"],
+        [str(DIST_CHECK), "--out", str(tmp_path), "--raise-rank", "0"],
+        timeout=90,
+    )
+    assert res.returncode == 3
+    assert "giving up after 1 restart(s)" in res.stderr
+
+
+# ------------------------------------------------------------------ no cluster needed below
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("twinkle_ray_launch", LAUNCH)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_command_building() -> None:
+    m = _module()
+    entry = "python -m twinkle_specs.launch"
+    assert m.build_command(["/x/pretrain_gpt.py", "--hf-model", "d"], entry, "/c") == [
+        "python",
+        "-m",
+        "twinkle_specs.launch",
+        "/x/pretrain_gpt.py",
+        "--hf-model",
+        "d",
+        "--save",
+        "/c",
+        "--load",
+        "/c",
+    ]
+    assert m.build_command(["bash", "run.sh", "--save=/s"], entry, "/c") == [
+        "bash",
+        "run.sh",
+        "--save=/s",
+        "--load",
+        "/c",
+    ]
+    assert m.build_command(["torchrun-free"], entry, None) == ["torchrun-free"]
+
+
+def test_nodes_ordered_by_ip_and_checked() -> None:
+    m = _module()
+    nodes = [
+        {"Alive": True, "NodeManagerAddress": "10.0.0.10", "NodeID": "b", "Resources": {"CPU": 8, "GPU": 8}},
+        {"Alive": True, "NodeManagerAddress": "10.0.0.9", "NodeID": "a", "Resources": {"CPU": 8, "GPU": 8}},
+        {"Alive": True, "NodeManagerAddress": "10.0.0.2", "NodeID": "c", "Resources": {"CPU": 8, "GPU": 4}},
+        {"Alive": False, "NodeManagerAddress": "10.0.0.1", "NodeID": "d", "Resources": {"CPU": 8, "GPU": 8}},
+    ]
+    assert [n["NodeID"] for n in m.pick_nodes(nodes, None, 8, 8)] == ["a", "b"]  # 10.0.0.9 < 10.0.0.10
+    with pytest.raises(m.LaunchError, match="need 3 node"):
+        m.pick_nodes(nodes, 3, 8, 8)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--procs-per-node", "2"], "no per-rank command: put it after --"),
+        (["--", "x.py"], "give --gpus-per-node N (GPU ranks) or --procs-per-node N"),
+        (["--gpus-per-node", "8", "--procs-per-node", "4", "--", "x.py"], "run one rank per GPU"),
+        (["--procs-per-node", "1", "--env", "NOEQUALS", "--", "x.py"], "expected KEY=VALUE"),
+    ],
+)
+def test_bad_flags_are_refused(argv: list[str], needle: str) -> None:
+    res = subprocess.run([sys.executable, str(LAUNCH), *argv], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and needle in res.stderr, res.stderr
+
+
+def test_relative_ckpt_dir_is_refused() -> None:
+    res = subprocess.run(
+        [sys.executable, str(LAUNCH), "--procs-per-node", "1", "--ckpt-dir", "rel", "--", "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and "--ckpt-dir must be an absolute path" in res.stderr
