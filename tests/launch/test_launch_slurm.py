@@ -148,12 +148,12 @@ def _write_conf(root: Path, auth_lines: list[str]) -> Path:
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
     """Start slurmctld + slurmd as root on loopback for this module; stop them and every job after."""
-    missing = [
-        b for b in ("slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "srun") if not shutil.which(b)
-    ]
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"  # Debian puts the daemons in /usr/sbin
+    tools = ("slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "srun")
+    missing = [b for b in tools if not shutil.which(b, path=path)]
     if missing:
         pytest.skip(
-            f"slurm-wlm is not installed ({', '.join(missing)} not on PATH); scripts/setup.sh installs it"
+            f"slurm-wlm is not installed ({', '.join(missing)} not found); scripts/setup.sh installs it"
         )
     if os.geteuid() != 0:
         pytest.skip("the Slurm tests start slurmctld/slurmd as root, and this process is not root")
@@ -173,6 +173,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
     conf = _write_conf(root, auth)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
     env["SLURM_CONF"] = str(conf)
+    env["PATH"] = path
     logs = [open(root / "slurmctld.stdout", "wb"), open(root / "slurmd.stdout", "wb")]  # noqa: SIM115
     daemons = [
         subprocess.Popen(
@@ -433,6 +434,26 @@ def test_bad_input_is_refused_with_a_clear_message(env: dict[str, str], needle: 
     res = _run_script(env, "pretrain_gpt.py")
     assert res.returncode == 2, res
     assert needle in res.stderr, res.stderr
+
+
+def test_unshared_checkpoint_dir_is_refused(tmp_path: Path) -> None:
+    """The shared-dir check: a node that cannot see the marker file written on the batch node stops the job.
+
+    One machine cannot have an unshared directory, so srun is replaced by a stub that answers as a second
+    node would when it does not see the file (it prints its hostname).
+    """
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\necho gpu002\n")
+    (fake / "srun").chmod(0o755)
+    env = {**FAKE_JOB, "CKPT_DIR": str(tmp_path / "c"), "GPUS_PER_NODE": "8", "LOG_DIR": str(tmp_path / "l")}
+    env.update(DRY_RUN="0", PATH=f"{fake}:{os.environ['PATH']}")
+    res = _run_script(env, "pretrain_gpt.py")
+    assert res.returncode == 2, res
+    assert f"CKPT_DIR={tmp_path / 'c'} is not shared: nodes [gpu002 ] cannot see a file" in res.stderr, (
+        res.stderr
+    )
+    assert not list((tmp_path / "c").glob(".twinkle-shared-check*"))
 
 
 def test_no_program_is_refused(tmp_path: Path) -> None:
