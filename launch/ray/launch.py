@@ -528,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"launch.py: error: {why}", file=sys.stderr, flush=True)
             if attempt < args.max_restarts:
                 log(f"restarting the whole group ({attempt + 1}/{args.max_restarts})")
-        print(f"launch.py: error: giving up after {args.max_restarts} restart(s)", file=sys.stderr)
+        if args.max_restarts:
+            print(f"launch.py: error: giving up after {args.max_restarts} restart(s)", file=sys.stderr)
         return code
     except KeyboardInterrupt as e:
         print(f"launch.py: interrupted ({e}); ranks stopped", file=sys.stderr)
