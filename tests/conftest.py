@@ -55,14 +55,7 @@ def run_dist(nproc: int, script: Path, *args: str, timeout: int = 300) -> subpro
 
 @pytest.fixture(scope="session")
 def megatron_single():
-    """megatron's parallel state at world size 1 (gloo) for in-process tests."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    """megatron's parallel state at world size 1 (gloo on CPU, NCCL on a GPU) for in-process tests."""
+    from twinkle_specs.parity import _init_single_process
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    yield
-    ps.destroy_model_parallel()
+    _init_single_process()

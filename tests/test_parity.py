@@ -49,7 +49,11 @@ def test_logits_match_transformers(kind, checkpoints, megatron_single):
     ],
 )
 def test_parallel_layouts_match_and_round_trip(kind, nproc, layout, checkpoints, tmp_path):
-    _check_layout(kind, nproc, layout, checkpoints, tmp_path)
+    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        pytest.skip(f"on a GPU machine the layout runs one rank per GPU: needs {nproc} GPUs")
+    _check_layout(
+        kind, nproc, layout, checkpoints, tmp_path, tol=GPU_TOL if torch.cuda.is_available() else TOL
+    )
 
 
 # MoE under TP or EP moves tokens with megatron's CUDA-only dispatch collectives: GPU machine only.

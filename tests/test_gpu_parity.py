@@ -1,0 +1,91 @@
+"""Transformer Engine path on a GPU: megatron logits vs transformers logits, fp32 and bf16.
+
+Writes the measured statistics to $TWINKLE_EVIDENCE_DIR/gpu-parity.json when that is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from models import batch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine"),
+]
+
+# fp32: TE's GEMMs and fused RMSNorm/RoPE/attention kernels (TF32 tensor-core math) vs transformers'
+# eager fp32 ops; measured on H200: max |Δ| 3.4e-3, mean |Δ| 5e-4, cosine 0.9999995 (Qwen2, 128 tokens).
+FP32_MAX_ABS = 1e-2
+FP32_MEAN_ABS = 1e-3
+FP32_MIN_COSINE = 0.99999
+# bf16: both sides round to bf16 at different points, so they are judged against the fp32 truth:
+# ours must be as close to transformers-fp32 as transformers-bf16 itself is (within 1.5x), and close.
+BF16_ERROR_RATIO = 1.5
+BF16_MIN_COSINE = 0.999
+
+_results: dict[str, dict] = {}
+
+
+def _record(name: str, stats: dict) -> None:
+    _results[name] = stats
+    out = os.environ.get("TWINKLE_EVIDENCE_DIR")
+    if out:
+        Path(out, "gpu-parity.json").write_text(json.dumps(_results, indent=2))
+
+
+@pytest.fixture(scope="module")
+def single_gpu():
+    from twinkle_specs.parity import _init_single_process
+
+    _init_single_process()
+    import transformer_engine  # noqa: F401  (the point of this module: the TE path)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2_5", "qwen3", "qwen3_moe", "qwen3_moe_nonorm", "qwen2_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_te_path_matches_transformers(kind, dtype, checkpoints, single_gpu):
+    from transformers import AutoModelForCausalLM
+
+    import twinkle_specs as ts
+    from twinkle_specs.parity import compare_logits
+
+    hf = checkpoints(kind)
+    model = ts.build_model(hf, params_dtype=dtype, bf16=dtype == torch.bfloat16, parallel_output=False).eval()
+    assert model.config.transformer_impl == "transformer_engine"
+    assert "TE" in type(model.decoder.layers[0].self_attention.linear_qkv).__name__
+    tokens = batch(s=128).cuda()
+    with torch.no_grad():
+        ours = model(tokens, torch.arange(tokens.shape[1], device="cuda").expand_as(tokens), None)
+        ref = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype).cuda().eval()(tokens).logits
+        truth = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).cuda().eval()(tokens).logits
+    stats = compare_logits(ours, ref)
+    name = f"{kind}-{str(dtype).removeprefix('torch.')}"
+    if dtype == torch.float32:
+        _record(name, stats.as_dict())
+        assert stats.max_abs <= FP32_MAX_ABS and stats.mean_abs <= FP32_MEAN_ABS, stats
+        assert stats.cosine >= FP32_MIN_COSINE, stats
+        return
+    ours_err, hf_err = compare_logits(ours, truth), compare_logits(ref, truth)
+    _record(
+        name,
+        {
+            "vs_transformers_bf16": stats.as_dict(),
+            "ours_vs_fp32": ours_err.as_dict(),
+            "transformers_bf16_vs_fp32": hf_err.as_dict(),
+        },
+    )
+    assert ours_err.mean_abs <= BF16_ERROR_RATIO * hf_err.mean_abs, (ours_err, hf_err)
+    assert ours_err.cosine >= BF16_MIN_COSINE, ours_err
+
+
+def test_embedded_default_bf16(single_gpu):
+    from twinkle_specs.parity import run_parity
+
+    stats, _ = run_parity(seq_len=512, dtype=torch.bfloat16)
+    _record("qwen3-tiny-default-bfloat16-seq512", stats.as_dict())
+    assert stats.cosine >= BF16_MIN_COSINE and stats.argmax_agreement >= 0.95, stats

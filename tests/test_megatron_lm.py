@@ -1,0 +1,93 @@
+"""Against a stock Megatron-LM checkout: our flags parse with its own parser, and pretrain_gpt.py
+trains with ``--spec twinkle_specs qwen_layer_spec``. Needs $MEGATRON_LM_ROOT (never vendored here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import free_port
+
+import twinkle_specs as ts
+
+ROOT = os.environ.get("MEGATRON_LM_ROOT")
+pytestmark = pytest.mark.skipif(
+    not ROOT, reason="needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT (run on the GPU machine)"
+)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
+def test_flags_parse_with_megatron_lm_parser(kind, checkpoints):
+    flags = ts.megatron_args_from_hf(checkpoints(kind))
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "from megatron.training.arguments import parse_args;"
+        "sys.argv = ['pretrain_gpt.py'] + sys.argv[2:];"
+        "a = parse_args(); print('PARSED', a.num_layers, a.kv_channels, a.num_query_groups, a.spec)"
+    )
+    common = [
+        "--micro-batch-size",
+        "1",
+        "--seq-length",
+        "64",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "256",
+    ]
+    proc = subprocess.run([sys.executable, "-c", code, ROOT, *flags, *common], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "PARSED 4" in proc.stdout and "qwen_layer_spec" in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine")
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_stock_pretrain_gpt_trains_with_the_spec(kind, checkpoints, tmp_path):
+    flags = ts.megatron_args_from_hf(checkpoints(kind))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        f"--master-port={free_port()}",
+        str(Path(ROOT) / "pretrain_gpt.py"),
+        *flags,
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--seq-length",
+        "128",
+        "--train-iters",
+        "5",
+        "--eval-interval",
+        "5",
+        "--eval-iters",
+        "1",
+        "--lr",
+        "1e-4",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "255",
+        "--bf16",
+        "--log-interval",
+        "1",
+        "--transformer-impl",
+        "transformer_engine",
+        "--no-gradient-accumulation-fusion",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=400)
+    log = proc.stdout + proc.stderr
+    out = os.environ.get("TWINKLE_EVIDENCE_DIR")
+    if out:
+        Path(out, f"pretrain_gpt-{kind}.log").write_text(" ".join(cmd) + "\n\n" + log[-20000:])
+    assert proc.returncode == 0, log[-4000:]
+    assert "iteration        5/       5" in log
