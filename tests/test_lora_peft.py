@@ -20,20 +20,34 @@ import twinkle_specs as ts
 from twinkle_specs import LoraConfig, export_peft_adapter, load_peft_adapter
 
 TOL = 1e-4  # max |Δ| of fp32 logits; measured 0 to 4e-6 on torch 2.13 CPU
-CASES = [
-    ("qwen3", dict(target_modules="all-linear")),
-    ("qwen3", dict(target_modules=["q_proj", "v_proj"])),  # partial QKV: k rows untouched
-    ("qwen3", dict(target_modules=["k_proj", "up_proj", "o_proj"], use_rslora=True)),  # partial gate/up
-    (
+BOTH_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+CASES = {
+    "qwen3-all-linear": ("qwen3", dict(target_modules="all-linear")),
+    "qwen3-q-v": ("qwen3", dict(target_modules=["q_proj", "v_proj"])),  # partial QKV: k rows untouched
+    "qwen3-k-up-o-rslora": ("qwen3", dict(target_modules=["k_proj", "up_proj", "o_proj"], use_rslora=True)),
+    "qwen2-bias-tied": (
         "qwen2",
         dict(target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "down_proj"]),
-    ),  # QKV bias, tied
-]
-
-IDS = [
-    f"{k}-{t['target_modules'] if isinstance(t['target_modules'], str) else '-'.join(t['target_modules'])}"
-    for k, t in CASES
-]
+    ),
+    # MoE: attention + shared expert (HF gate/up/down match the shared expert's linears, as in PEFT)
+    "qwen2_moe-attn-shared": (
+        "qwen2_moe",
+        dict(target_modules=["q_proj", "o_proj", "gate_proj", "down_proj"]),
+    ),
+    # routed experts through peft's target_parameters (fused 3-D expert tensors), both and one
+    "qwen3_moe-experts": ("qwen3_moe", dict(target_modules=["k_proj"], target_parameters=BOTH_EXPERTS)),
+    "qwen3_moe-down": (
+        "qwen3_moe",
+        dict(target_modules=["v_proj"], target_parameters=["mlp.experts.down_proj"]),
+    ),
+    # v4 MLP names on Qwen3-MoE: peft maps them to the experts (gate_up_proj at rank 2r, alpha 2*alpha)
+    "qwen3_moe-v4-names-rslora": (
+        "qwen3_moe",
+        dict(target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"], use_rslora=True),
+    ),
+    "qwen3_moe-all-linear": ("qwen3_moe", dict(target_modules="all-linear")),  # router (mlp.gate.weight) too
+}
+PARAMS = pytest.mark.parametrize("kind,targets", list(CASES.values()), ids=list(CASES))
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +62,7 @@ def ckpt(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind,targets", CASES, ids=IDS)
+@PARAMS
 def test_peft_adapter_into_megatron(kind, targets, ckpt, tmp_path, single_rank):  # noqa: F811
     hf = ckpt(kind)
     ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, lora_alpha=8, **targets))
@@ -65,7 +79,7 @@ def test_peft_adapter_into_megatron(kind, targets, ckpt, tmp_path, single_rank):
     assert (ours - ref).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("kind,targets", CASES, ids=IDS)
+@PARAMS
 def test_megatron_adapter_into_peft(kind, targets, ckpt, tmp_path, single_rank):  # noqa: F811
     hf = ckpt(kind)
     model = ts.build_model(hf, lora=LoraConfig(r=4, lora_alpha=8, **targets), parallel_output=False).eval()
@@ -93,7 +107,9 @@ def test_mismatched_adapters_are_refused(ckpt, tmp_path, single_rank):  # noqa: 
     ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     ref_model.save_pretrained(tmp_path / "r4")
     model = ts.build_model(hf, lora=LoraConfig(r=8, target_modules=["q_proj"]))
-    with pytest.raises(ValueError, match=r"r: adapter 4, model 8.*LoraConfig.from_peft"):
+    with pytest.raises(
+        ValueError, match=r"linear_qkv.q_proj: adapter r=4 alpha=8, model r=8 alpha=8.*LoraConfig.from_peft"
+    ):
         load_peft_adapter(model, tmp_path / "r4")
     # An adapter made for another base (qwen2: other head layout, one layer more) is refused by name.
     other = ckpt("qwen2")
@@ -102,3 +118,9 @@ def test_mismatched_adapters_are_refused(ckpt, tmp_path, single_rank):  # noqa: 
     model = ts.build_model(hf, lora=LoraConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="q_proj.lora_B.weight.*different base model"):
         load_peft_adapter(model, tmp_path / "other")
+    # Qwen2-MoE's all-linear in peft includes shared_expert_gate, which Megatron's fused gate cannot host.
+    moe = ckpt("qwen2_moe")
+    gate_model = peft.get_peft_model(hf_model(moe), peft.LoraConfig(r=4, target_modules="all-linear"))
+    gate_model.save_pretrained(tmp_path / "gate")
+    with pytest.raises(ValueError, match="unknown target module 'shared_expert_gate'"):
+        LoraConfig.from_peft(tmp_path / "gate")

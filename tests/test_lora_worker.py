@@ -1,7 +1,8 @@
 """One gloo CPU rank of the multi-rank LoRA tests (run by torchrun from the tests; no tests here).
 
-peft mode: loads a PEFT adapter into a TP/PP/SP layout, writes full logits and the adapter gradients of
-a fixed loss (PEFT names, gathered), then exports the adapter after randomising it.
+Loads a PEFT adapter into a TP/PP/EP layout, writes full logits and the adapter gradients of a fixed
+loss (PEFT names, gathered), then exports the adapter after randomising it. With --roundtrip it only
+loads the adapter and exports it again.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--roundtrip", action="store_true", help="only load the adapter and export it again")
     args = ap.parse_args()
 
     from megatron.core import parallel_state as ps
@@ -91,6 +93,11 @@ def main() -> None:
         args.hf, lora=LoraConfig.from_peft(args.adapter), sequence_parallel=args.sp, parallel_output=True
     )
     ts.load_peft_adapter(model, args.adapter)
+    if args.roundtrip:
+        ts.export_peft_adapter(model, out / "export")
+        return
+    # eval(): no MoE aux-loss gradient (the reference loss has none); gradients still flow.
+    model.eval()
     toks = tokens()
     weights = torch.randn(*toks.shape, VOCAB, generator=torch.Generator().manual_seed(7))
     logits = _full_logits(model, toks, grad=True)
@@ -104,7 +111,7 @@ def main() -> None:
         torch.save(grads, out / "grads.pt")
     randomize_megatron(model, seed=11)
     with torch.no_grad():
-        logits = _full_logits(model.eval(), toks, grad=False)
+        logits = _full_logits(model, toks, grad=False)
         if logits is not None:
             full = _gather_logits(logits)
             if last:

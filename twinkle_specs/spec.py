@@ -110,7 +110,7 @@ def qwen_layer_submodules(config: TransformerConfig) -> TransformerLayerSubmodul
     if lora is not None:
         from .lora.spec import lora_layer_submodules
 
-        submodules = lora_layer_submodules(submodules, lora)
+        submodules = lora_layer_submodules(submodules, lora, config)
     return submodules
 
 

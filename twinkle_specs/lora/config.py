@@ -1,41 +1,66 @@
 """LoRA options, named as in ``peft.LoraConfig``, and their resolution onto Megatron's fused linears.
 
-Targets follow PEFT's semantics on the Hugging Face model exactly: ``q_proj`` adapts only the query
-rows of Megatron's fused ``linear_qkv``, ``gate_proj`` only the gate half of ``linear_fc1`` (dense MLP
-and shared expert, as PEFT's suffix match does), and routed experts, which transformers stores as fused
-3-D parameters, are adapted only through ``target_parameters`` (``mlp.experts.gate_up_proj``,
-``mlp.experts.down_proj``), as in current peft. Megatron names adapt whole fused linears.
+Targets follow what peft 0.21 does on the transformers 5 model: ``q_proj`` adapts only the query rows
+of Megatron's fused ``linear_qkv``, ``gate_proj`` only the gate half of ``linear_fc1`` (dense MLP or
+Qwen2-MoE's shared expert, as PEFT's suffix match does). Routed experts are fused 3-D parameters in
+transformers 5 and are adapted through ``target_parameters`` (``mlp.experts.gate_up_proj``,
+``mlp.experts.down_proj``, the router ``mlp.gate.weight``). On Qwen3-MoE, peft rewrites the v4 names
+``gate_proj``/``up_proj``/``down_proj`` (and ``all-linear``) to those expert parameters, with
+``gate_up_proj`` at rank 2r and alpha 2*alpha; :meth:`LoraConfig.resolve` does the same, so one
+LoraConfig means the same adapter in Megatron and in PEFT. Megatron names adapt whole fused linears.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Site of a Megatron linear -> the adapter slots it can hold, in output order. Each slot is one PEFT
-# adapter (its own A and B); a site may hold a subset of its slots.
+# Site of a Megatron linear -> its adapter slots, in output order. A slot is one PEFT adapter (own A, B).
 SITE_SLOTS: dict[str, tuple[str, ...]] = {
     "linear_qkv": ("q_proj", "k_proj", "v_proj"),
     "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),  # dense MLP and shared expert
+    "linear_fc1": ("gate_proj", "up_proj"),  # dense MLP or shared expert
     "linear_fc2": ("down_proj",),
     "experts.linear_fc1": ("gate_up_proj",),  # routed experts: one adapter over [gate; up] per expert
     "experts.linear_fc2": ("down_proj",),
+    "router": ("gate",),
 }
 HF_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MEGATRON_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-EXPERT_PARAMETERS = {"gate_up_proj": "experts.linear_fc1", "down_proj": "experts.linear_fc2"}
-_HF_SITE = {
-    "q_proj": "linear_qkv",
-    "k_proj": "linear_qkv",
-    "v_proj": "linear_qkv",
-    "o_proj": "linear_proj",
-    "gate_proj": "linear_fc1",
-    "up_proj": "linear_fc1",
-    "down_proj": "linear_fc2",
-}
+MEGATRON_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "router")
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight")
+_ATTENTION = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj"}
+_MLP = {"gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """Rank and scaling of one adapter slot."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+
+    @property
+    def scaling(self) -> float:
+        """PEFT's scaling: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+
+Sites = dict[str, dict[str, SlotSpec]]
+
+
+def slot_path(site: str, slot: str, shared_expert: bool) -> str:
+    """The slot's module (or parameter) path inside an HF decoder layer, e.g. ``self_attn.q_proj``."""
+    if site in ("linear_qkv", "linear_proj"):
+        return f"self_attn.{slot}"
+    if site.startswith("experts."):
+        return f"mlp.experts.{slot}"
+    if site == "router":
+        return "mlp.gate"
+    return f"mlp.shared_expert.{slot}" if shared_expert else f"mlp.{slot}"
 
 
 @dataclass(frozen=True)
@@ -43,11 +68,10 @@ class LoraConfig:
     """LoRA hyper-parameters (field names and defaults as in ``peft.LoraConfig``).
 
     ``target_modules``: HF projection names (q_proj ... down_proj), Megatron linear names (linear_qkv,
-    linear_proj, linear_fc1, linear_fc2; these include routed experts) or ``"all-linear"`` (every
-    attention and dense/shared-expert projection, like PEFT's; the output layer, router and Qwen2-MoE
-    shared_expert_gate are never adapted). ``target_parameters``: routed experts, as in peft
-    (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``). A is initialised like PEFT's
-    (Kaiming-uniform), B with zeros, so a fresh adapter leaves the model unchanged.
+    linear_proj, linear_fc1, linear_fc2 (these include routed experts), router) or ``"all-linear"``.
+    ``target_parameters``: routed experts and router, as in peft. ``rank_pattern``/``alpha_pattern``:
+    PEFT's per-module overrides, matched against layer-relative paths (they may not name a layer).
+    A is initialised like PEFT's (Kaiming-uniform), B with zeros, so a fresh adapter changes nothing.
     """
 
     r: int = 8
@@ -56,7 +80,8 @@ class LoraConfig:
     target_modules: tuple[str, ...] | str = ("q_proj", "v_proj")
     target_parameters: tuple[str, ...] = ()
     use_rslora: bool = False
-    sites: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
+    rank_pattern: Mapping[str, int] = field(default_factory=dict)
+    alpha_pattern: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.r, int) or self.r <= 0:
@@ -66,20 +91,87 @@ class LoraConfig:
         targets = (self.target_modules,) if isinstance(self.target_modules, str) else self.target_modules
         object.__setattr__(self, "target_modules", tuple(targets))
         object.__setattr__(self, "target_parameters", tuple(self.target_parameters))
-        object.__setattr__(self, "sites", _resolve(self.target_modules, self.target_parameters))
+        object.__setattr__(self, "rank_pattern", dict(self.rank_pattern))
+        object.__setattr__(self, "alpha_pattern", dict(self.alpha_pattern))
+        for key in (*self.rank_pattern, *self.alpha_pattern):
+            if "layers" in key:
+                raise ValueError(
+                    f"LoraConfig: rank/alpha pattern {key!r} names layers; only layer-independent patterns "
+                    "(e.g. '.*\\.q_proj') are supported"
+                )
+        for name in self.target_modules:
+            if name != "all-linear" and name not in HF_MODULES and name not in MEGATRON_MODULES:
+                raise ValueError(
+                    f"LoraConfig: unknown target module {name!r}. Use Hugging Face projection names "
+                    f"{list(HF_MODULES)}, Megatron names {list(MEGATRON_MODULES)} or 'all-linear' (routed "
+                    "experts also via target_parameters; Qwen2-MoE's shared_expert_gate is not supported)"
+                )
+        for name in self.target_parameters:
+            if _parameter_site(name) is None:
+                raise ValueError(
+                    f"LoraConfig: unknown target parameter {name!r}; supported: {list(EXPERT_PARAMETERS)}"
+                )
+        self.resolve(fused_experts=False, shared_expert=False)  # fail early on empty targets
 
-    @property
-    def scaling(self) -> float:
-        """PEFT's scaling: alpha / r, or alpha / sqrt(r) with rsLoRA."""
-        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+    def resolve(self, *, fused_experts: bool, shared_expert: bool) -> Sites:
+        """Site -> slot -> rank/scaling for one model kind.
 
-    def slots(self, site: str) -> tuple[str, ...]:
-        """The adapter slots of Megatron linear ``site`` (empty: not adapted)."""
-        return self.sites.get(site, ())
+        ``fused_experts``: a transformers-5 fused-expert model on which peft rewrites v4 MLP names to
+        expert parameters (Qwen3-MoE); ``shared_expert``: the MLP names mean the shared expert.
+        """
+        modules, params = set(self.target_modules), set(self.target_parameters)
+        rank_pattern, alpha_pattern = dict(self.rank_pattern), dict(self.alpha_pattern)
+        if "all-linear" in modules:
+            modules = (modules - {"all-linear"}) | set(HF_MODULES)
+            if fused_experts:
+                params.add("mlp.gate.weight")
+        chosen: dict[str, set[str]] = {}
+        for name in sorted(modules):
+            if name in _ATTENTION:
+                chosen.setdefault(_ATTENTION[name], set()).add(name)
+            elif name in _MLP and not fused_experts:
+                chosen.setdefault(_MLP[name], set()).add(name)
+            elif name in MEGATRON_MODULES:
+                for site in (name, f"experts.{name}"):
+                    if site in SITE_SLOTS:
+                        chosen.setdefault(site, set()).update(SITE_SLOTS[site])
+        if fused_experts:
+            fused = {"gate_proj", "up_proj"} & modules
+            if len(fused) == 1:
+                raise ValueError(
+                    f"LoraConfig: on this fused-expert model (Qwen3-MoE) {sorted(fused)[0]} cannot be adapted "
+                    "without also targeting the other of gate_proj/up_proj (as in peft: they are fused into "
+                    "mlp.experts.gate_up_proj)"
+                )
+            if fused:
+                params.add("mlp.experts.gate_up_proj")
+                # peft's v4->v5 conversion: two rank-r adapters fused into one of rank 2r, alpha doubled
+                rank_pattern.setdefault(r".*\.gate_up_proj", 2 * self.r)
+                alpha_pattern.setdefault(r".*\.gate_up_proj", 2 * self.lora_alpha)
+            if "down_proj" in modules:
+                params.add("mlp.experts.down_proj")
+        for name in params:
+            site = _parameter_site(name)
+            chosen.setdefault(site, set()).update(SITE_SLOTS[site])
+        if not chosen:
+            raise ValueError("LoraConfig: target_modules and target_parameters select nothing to adapt")
+        sites: Sites = {}
+        for site, slots in chosen.items():
+            sites[site] = {}
+            for slot in (s for s in SITE_SLOTS[site] if s in slots):
+                path = f"model.layers.0.{slot_path(site, slot, shared_expert)}"
+                sites[site][slot] = SlotSpec(
+                    int(_pattern_value(rank_pattern, path, self.r)),
+                    _pattern_value(alpha_pattern, path, self.lora_alpha),
+                    self.use_rslora,
+                )
+        return sites
 
     @classmethod
     def from_peft(cls, adapter_dir: str | Path) -> LoraConfig:
         """The LoraConfig of a PEFT adapter directory (adapter_config.json written by peft)."""
+        import json
+
         path = Path(adapter_dir) / "adapter_config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: expected a PEFT adapter directory")
@@ -89,8 +181,6 @@ class LoraConfig:
         unsupported = {
             "use_dora": False,
             "fan_in_fan_out": False,
-            "rank_pattern": {},
-            "alpha_pattern": {},
             "lora_bias": False,
             "layers_to_transform": None,
             "modules_to_save": None,
@@ -115,37 +205,24 @@ class LoraConfig:
             target_modules=modules,
             target_parameters=tuple(sorted(raw.get("target_parameters") or ())),
             use_rslora=bool(raw.get("use_rslora", False)),
+            rank_pattern=raw.get("rank_pattern") or {},
+            alpha_pattern=raw.get("alpha_pattern") or {},
         )
 
 
-def _resolve(modules: tuple[str, ...], parameters: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
-    chosen: dict[str, set[str]] = {}
-    for name in modules:
-        if name == "all-linear":
-            for site in MEGATRON_MODULES:
-                chosen.setdefault(site, set()).update(SITE_SLOTS[site])
-        elif name in _HF_SITE:
-            chosen.setdefault(_HF_SITE[name], set()).add(name)
-        elif name in MEGATRON_MODULES:
-            for site in (name, f"experts.{name}"):
-                if site in SITE_SLOTS:
-                    chosen.setdefault(site, set()).update(SITE_SLOTS[site])
-        else:
-            raise ValueError(
-                f"LoraConfig: unknown target module {name!r}. Use Hugging Face projection names "
-                f"{list(HF_MODULES)}, Megatron linear names {list(MEGATRON_MODULES)} or 'all-linear' "
-                "(routed experts go in target_parameters; the router and shared_expert_gate are not "
-                "supported)"
-            )
-    for name in parameters:
-        leaf = name.split(".")[-1]
-        if not name.endswith(f"experts.{leaf}") or leaf not in EXPERT_PARAMETERS:
-            raise ValueError(
-                f"LoraConfig: unknown target parameter {name!r}; supported: "
-                f"{[f'mlp.experts.{p}' for p in EXPERT_PARAMETERS]}"
-            )
-        site = EXPERT_PARAMETERS[leaf]
-        chosen.setdefault(site, set()).update(SITE_SLOTS[site])
-    if not chosen:
-        raise ValueError("LoraConfig: target_modules and target_parameters select nothing to adapt")
-    return {site: tuple(s for s in SITE_SLOTS[site] if s in slots) for site, slots in chosen.items()}
+def _parameter_site(name: str) -> str | None:
+    """peft target_parameters name (any suffix of the full path) -> Megatron site."""
+    for full, site in zip(
+        EXPERT_PARAMETERS, ("experts.linear_fc1", "experts.linear_fc2", "router"), strict=True
+    ):
+        if full == name or full.endswith(f".{name}"):
+            return site
+    return None
+
+
+def _pattern_value(patterns: Mapping[str, float], path: str, default: float) -> float:
+    """PEFT's rule: the first pattern matching the end of the module path (at a dot boundary)."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", path):
+            return value
+    return default

@@ -38,9 +38,10 @@ from megatron.core.tensor_parallel import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from .config import SITE_SLOTS, LoraConfig
+from .config import SITE_SLOTS, SlotSpec
 
 
 class LoraLayerMixin:
@@ -58,20 +59,20 @@ class LoraLayerMixin:
         input_size: int,
         output_size: int,
         site: str,
-        lora: LoraConfig,
+        slots: dict[str, SlotSpec],
+        dropout: float,
         config: Any,
         is_expert: bool,
         num_gemms: int = 0,
+        replicated: bool = False,
     ) -> None:
         self.lora_site = site
-        self.lora_slots = lora.slots(site)
-        self.lora_scaling = lora.scaling
-        self.lora_r = lora.r
+        self.lora_slots = tuple(slots)
+        self.lora_spec = dict(slots)
         self.lora_merged = False
         self.lora_num_gemms = num_gemms
-        self.lora_dropout = torch.nn.Dropout(lora.lora_dropout) if lora.lora_dropout else torch.nn.Identity()
-        self.lora_is_expert = is_expert
-        if is_expert and lora.lora_dropout:
+        self.lora_dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+        if is_expert and dropout:
             raise ValueError(
                 f"LoRA on routed experts ({site}) needs lora_dropout=0 (peft's target_parameters cannot "
                 "apply dropout either); set lora_dropout=0.0 or drop the expert targets"
@@ -84,6 +85,8 @@ class LoraLayerMixin:
                     "set --expert-tensor-parallel-size 1 or drop the expert targets"
                 )
             self.lora_tp_size, self.lora_tp_group = 1, None
+        elif replicated:  # the router: whole factors on every rank, no TP communication
+            self.lora_tp_size, self.lora_tp_group = 1, ps.get_tensor_model_parallel_group()
         else:
             self.lora_tp_size = ps.get_tensor_model_parallel_world_size()
             self.lora_tp_group = ps.get_tensor_model_parallel_group()
@@ -95,13 +98,13 @@ class LoraLayerMixin:
         self.lora_B = torch.nn.ParameterDict()
         tp, rank = self.lora_tp_size, (0 if is_expert else ps.get_tensor_model_parallel_rank())
         stack = (num_gemms,) if num_gemms else ()
-        for slot in self.lora_slots:
+        for slot, spec in slots.items():
             # Full A drawn from the default CPU generator, which megatron seeds alike on every TP rank,
             # so replicated factors agree across ranks; row-parallel ranks keep their column block.
-            a = torch.empty(*stack, lora.r, input_size)
+            a = torch.empty(*stack, spec.r, input_size)
             torch.nn.init.uniform_(a, -1 / math.sqrt(input_size), 1 / math.sqrt(input_size))
             b = torch.zeros(
-                *stack, self.lora_out_sizes[slot] // (tp if self.lora_parallel == "column" else 1), lora.r
+                *stack, self.lora_out_sizes[slot] // (tp if self.lora_parallel == "column" else 1), spec.r
             )
             if self.lora_parallel == "row":
                 a = a.chunk(tp, dim=-1)[rank]
@@ -136,7 +139,7 @@ class LoraLayerMixin:
         for slot in self.lora_slots:
             h = F.linear(self.lora_dropout(x), self.lora_A[slot])
             h = self._lora_comm(h)
-            deltas[slot] = F.linear(h, self.lora_B[slot]) * self.lora_scaling
+            deltas[slot] = F.linear(h, self.lora_B[slot]) * self.lora_spec[slot].scaling
         return self._lora_fuse(deltas)
 
     def _lora_comm(self, h: torch.Tensor) -> torch.Tensor:
@@ -178,7 +181,7 @@ class LoraLayerMixin:
         """scaling * B @ A in fp32, shaped like this rank's base weight (of expert ``gemm``)."""
         pick = (lambda t: t[gemm]) if gemm is not None else (lambda t: t)
         deltas = {
-            s: pick(self.lora_B[s]).float() @ pick(self.lora_A[s]).float() * self.lora_scaling
+            s: pick(self.lora_B[s]).float() @ pick(self.lora_A[s]).float() * self.lora_spec[s].scaling
             for s in self.lora_slots
         }
         return self._lora_fuse({s: d.t() for s, d in deltas.items()}).t()
@@ -270,7 +273,7 @@ def _slot_out_sizes(site: str, output_size: int, config: Any) -> dict[str, int]:
     elif site == "linear_fc1":
         sizes = {"gate_proj": output_size // 2, "up_proj": output_size // 2}
     else:
-        sizes = {SITE_SLOTS[site][0]: output_size}
+        sizes = {SITE_SLOTS[site][0]: output_size}  # single-slot sites, the router's ``gate`` too
     if sum(sizes.values()) != output_size:
         raise ValueError(f"LoRA {site}: slot sizes {sizes} do not add up to the linear's {output_size} rows")
     return sizes
@@ -281,13 +284,23 @@ class LoraColumnParallelLinear(LoraLayerMixin, ColumnParallelLinear):
 
     lora_parallel = "column"
 
-    def __init__(self, input_size: int, output_size: int, *, lora_site: str, lora: LoraConfig, **kwargs: Any):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        lora_site: str,
+        lora_slots: dict,
+        lora_dropout: float,
+        **kwargs: Any,
+    ):
         super().__init__(input_size, output_size, **kwargs)
         self._init_lora(
             input_size=input_size,
             output_size=output_size,
             site=lora_site,
-            lora=lora,
+            slots=lora_slots,
+            dropout=lora_dropout,
             config=kwargs["config"],
             is_expert=kwargs.get("is_expert", False),
         )
@@ -302,13 +315,23 @@ class LoraRowParallelLinear(LoraLayerMixin, RowParallelLinear):
 
     lora_parallel = "row"
 
-    def __init__(self, input_size: int, output_size: int, *, lora_site: str, lora: LoraConfig, **kwargs: Any):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        lora_site: str,
+        lora_slots: dict,
+        lora_dropout: float,
+        **kwargs: Any,
+    ):
         super().__init__(input_size, output_size, **kwargs)
         self._init_lora(
             input_size=input_size,
             output_size=output_size,
             site=lora_site,
-            lora=lora,
+            slots=lora_slots,
+            dropout=lora_dropout,
             config=kwargs["config"],
             is_expert=kwargs.get("is_expert", False),
         )
@@ -316,3 +339,32 @@ class LoraRowParallelLinear(LoraLayerMixin, RowParallelLinear):
     def forward(self, input_: torch.Tensor):
         out, bias = super().forward(input_)
         return self._lora_add(out, input_), bias
+
+
+class LoraTopKRouter(LoraLayerMixin, TopKRouter):
+    """The MoE router with a LoRA on its logits (peft's ``target_parameters=["mlp.gate.weight"]``).
+
+    The router weight is replicated over TP, so are both factors; under sequence parallelism each rank
+    routes its own tokens, so both factors are marked ``sequence_parallel`` like the router weight.
+    """
+
+    lora_parallel = "column"
+
+    def __init__(self, *args: Any, lora_site: str, lora_slots: dict, lora_dropout: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._init_lora(
+            input_size=self.config.hidden_size,
+            output_size=self.config.num_moe_experts,
+            site=lora_site,
+            slots=lora_slots,
+            dropout=lora_dropout,
+            config=self.config,
+            is_expert=False,
+            replicated=True,
+        )
+        for factor in (*self.lora_A.values(), *self.lora_B.values()):
+            factor.sequence_parallel = self.config.sequence_parallel
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        logits = super().gating(input)
+        return self._lora_add(logits, input)

@@ -14,6 +14,7 @@ gate_up_proj factors sit under ``experts.base_layer``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from safetensors.torch import save_file
 from ..hf_config import qwen_arch_from_hf
 from ..parallel import model_chunks
 from ..weight_map import bind
-from .config import LoraConfig
+from .config import LoraConfig, Sites, slot_path
 from .layers import LoraLayerMixin
 from .model import lora_modules
 
@@ -66,9 +67,18 @@ def _lora_config(model) -> LoraConfig:
     return config
 
 
-def model_sites(model) -> dict[str, tuple[str, ...]]:
-    """The sites and slots this model actually adapts (a Megatron name may name absent experts)."""
-    return {layer.lora_site: layer.lora_slots for _, _, layer in lora_modules(model)}
+def model_sites(model) -> Sites:
+    """The sites, slots and ranks this model actually adapts (a config may name absent experts)."""
+    return {layer.lora_site: dict(layer.lora_spec) for _, _, layer in lora_modules(model)}
+
+
+def resolve_for(model, lora: LoraConfig) -> Sites:
+    """What ``lora`` means on this model (the spec resolves it the same way when building layers)."""
+    config = model_chunks(model)[0].config
+    return lora.resolve(
+        fused_experts=bool(config.num_moe_experts) and config.qk_layernorm,
+        shared_expert=bool(config.moe_shared_expert_intermediate_size),
+    )
 
 
 def _hf_source(model) -> str:
@@ -198,26 +208,42 @@ def export_peft_adapter(
         save_file(
             {k: v.contiguous() for k, v in sorted(tensors.items())}, out / ADAPTER_WEIGHTS, {"format": "pt"}
         )
-        _peft_config(lora, sites, base_model_name_or_path or _hf_source(model)).save_pretrained(str(out))
+        shared = bool(model_chunks(model)[0].config.moe_shared_expert_intermediate_size)
+        _peft_config(lora, sites, shared, base_model_name_or_path or _hf_source(model)).save_pretrained(
+            str(out)
+        )
     if dist.is_initialized():
         dist.barrier()
     return out if tensors is not None else None
 
 
-def _peft_config(lora: LoraConfig, sites: dict[str, tuple[str, ...]], base: str):
+def _peft_config(lora: LoraConfig, sites: Sites, shared_expert: bool, base: str):
+    """peft's config for exactly these sites: explicit names (never 'all-linear'), per-path ranks."""
     import peft
 
-    modules = sorted({s for site, slots in sites.items() if not site.startswith("experts.") for s in slots})
-    parameters = sorted(
-        f"mlp.experts.{s}" for site, slots in sites.items() if site.startswith("experts.") for s in slots
-    )
+    modules, parameters, ranks, alphas = set(), set(), {}, {}
+    for site, slots in sites.items():
+        for slot, spec in slots.items():
+            path = slot_path(site, slot, shared_expert)
+            if site.startswith("experts."):
+                parameters.add(path)
+            elif site == "router":
+                parameters.add(f"{path}.weight")
+            else:
+                modules.add(slot)
+            if spec.r != lora.r:
+                ranks[rf".*\.{re.escape(path)}"] = spec.r
+            if spec.lora_alpha != lora.lora_alpha:
+                alphas[rf".*\.{re.escape(path)}"] = spec.lora_alpha
     return peft.LoraConfig(
         r=lora.r,
         lora_alpha=lora.lora_alpha,
+        rank_pattern=ranks,
+        alpha_pattern=alphas,
         lora_dropout=lora.lora_dropout,
         use_rslora=lora.use_rslora,
-        target_modules=modules or None,
-        target_parameters=parameters or None,
+        target_modules=sorted(modules) or None,
+        target_parameters=sorted(parameters) or None,
         bias="none",
         task_type="CAUSAL_LM",
         base_model_name_or_path=base,
@@ -231,15 +257,13 @@ def load_peft_adapter(model, adapter_dir: str | Path) -> None:
     every tensor of the file must be used and have the shape this base model implies.
     """
     adapter_dir = Path(adapter_dir)
-    theirs, ours = LoraConfig.from_peft(adapter_dir), _lora_config(model)
+    theirs, ours = resolve_for(model, LoraConfig.from_peft(adapter_dir)), model_sites(model)
     mismatch = [
-        f"{k}: adapter {getattr(theirs, k)!r}, model {getattr(ours, k)!r}"
-        for k in ("r", "lora_alpha", "use_rslora")
-        if getattr(theirs, k) != getattr(ours, k)
+        f"{site}.{slot}: adapter {_describe(theirs, site, slot)}, model {_describe(ours, site, slot)}"
+        for site in sorted(set(theirs) | set(ours))
+        for slot in sorted(set(theirs.get(site, {})) | set(ours.get(site, {})))
+        if theirs.get(site, {}).get(slot) != ours.get(site, {}).get(slot)
     ]
-    sites = model_sites(model)
-    if {k: v for k, v in theirs.sites.items() if k in sites or not k.startswith("experts.")} != sites:
-        mismatch.append(f"targets: adapter {theirs.sites}, model {sites}")
     if mismatch:
         raise ValueError(
             f"{adapter_dir}: the adapter does not match the model's LoRA config ({'; '.join(mismatch)}); "
@@ -276,6 +300,13 @@ def load_peft_adapter(model, adapter_dir: str | Path) -> None:
             f"{path}: tensors {unused[:6]} match no LoRA factor of this model "
             "(more layers or other targets than the base model has: a different base?)"
         )
+
+
+def _describe(sites: Sites, site: str, slot: str) -> str:
+    spec = sites.get(site, {}).get(slot)
+    if spec is None:
+        return "not adapted"
+    return f"r={spec.r} alpha={spec.lora_alpha}{' rslora' if spec.use_rslora else ''}"
 
 
 def _slice_for_rank(full: torch.Tensor, fac: Factor, path: Path) -> torch.Tensor:

@@ -21,18 +21,27 @@ from megatron.core.extensions.transformer_engine import (
     TERowParallelLinear,
 )
 
-from .config import LoraConfig
 from .layers import LoraLayerMixin
 
 
 class _LoraTELinear(LoraLayerMixin):
-    def __init__(self, input_size: int, output_size: int, *, lora_site: str, lora: LoraConfig, **kwargs: Any):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        lora_site: str,
+        lora_slots: dict,
+        lora_dropout: float,
+        **kwargs: Any,
+    ):
         super().__init__(input_size, output_size, **kwargs)
         self._init_lora(
             input_size=input_size,
             output_size=output_size,
             site=lora_site,
-            lora=lora,
+            slots=lora_slots,
+            dropout=lora_dropout,
             config=kwargs["config"],
             is_expert=kwargs.get("is_expert", False),
         )
@@ -76,7 +85,8 @@ class _LoraTEGroupedLinear(LoraLayerMixin):
         output_size: int,
         *,
         lora_site: str,
-        lora: LoraConfig,
+        lora_slots: dict,
+        lora_dropout: float,
         **kwargs: Any,
     ):
         super().__init__(num_gemms, input_size, output_size, **kwargs)
@@ -84,7 +94,8 @@ class _LoraTEGroupedLinear(LoraLayerMixin):
             input_size=input_size,
             output_size=output_size,
             site=lora_site,
-            lora=lora,
+            slots=lora_slots,
+            dropout=lora_dropout,
             config=kwargs["config"],
             is_expert=kwargs.get("is_expert", True),
             num_gemms=num_gemms,
@@ -98,7 +109,8 @@ class _LoraTEGroupedLinear(LoraLayerMixin):
         deltas = []
         for expert, xe in enumerate(torch.split(x, splits)):
             per_slot = {
-                s: F.linear(F.linear(xe, self.lora_A[s][expert]), self.lora_B[s][expert]) * self.lora_scaling
+                s: F.linear(F.linear(xe, self.lora_A[s][expert]), self.lora_B[s][expert])
+                * self.lora_spec[s].scaling
                 for s in self.lora_slots
             }
             deltas.append(self._lora_fuse(per_slot))
