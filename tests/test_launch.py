@@ -1,0 +1,164 @@
+"""twinkle_specs.launch against a stand-in of Megatron-LM's training entry point (tests/standin)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import free_port
+from models import CONFIGS
+
+from twinkle_specs.launch import LaunchError, merge_flags
+
+STANDIN = Path(__file__).parent / "standin"
+COMMON = [
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "255",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+]
+
+
+def launch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=1",
+        f"--master-port={free_port()}",
+        "-m",
+        "twinkle_specs.launch",
+        str(STANDIN / "pretrain_gpt.py"),
+        *args,
+    ]
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def hf_loss(hf: Path, tokens: torch.Tensor) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+
+
+def test_flags_from_checkpoint_then_user_flags(checkpoints):
+    flags = merge_flags(
+        str(checkpoints("qwen3")), ["--bf16", "--seq-length", "64", "--tokenizer-type", "NullTokenizer"]
+    )
+    assert flags[-4:] == ["--seq-length", "64", "--tokenizer-type", "NullTokenizer"]
+    assert "--spec" in flags and "--qk-layernorm" in flags
+
+
+def test_conflicting_architecture_flag_is_an_error(checkpoints):
+    with pytest.raises(
+        LaunchError, match=r"--num-layers 2 contradicts the checkpoint .*needs --num-layers 4"
+    ):
+        merge_flags(str(checkpoints("qwen3")), ["--num-layers", "2", "--tokenizer-type", "NullTokenizer"])
+
+
+def test_overridable_flags_win_and_precision_switches(checkpoints):
+    flags = merge_flags(
+        str(checkpoints("qwen3")), ["--fp16", "--hidden-dropout", "0.1", "--tokenizer-type", "X"]
+    )
+    assert flags.count("--hidden-dropout") == 1 and "--bf16" not in flags
+
+
+def test_missing_tokenizer_is_explained(checkpoints):
+    with pytest.raises(LaunchError, match="no tokenizer files"):
+        merge_flags(str(checkpoints("qwen3")), [])
+
+
+def test_other_spec_is_rejected(checkpoints):
+    with pytest.raises(LaunchError, match="--spec"):
+        merge_flags(str(checkpoints("qwen3")), ["--spec", "my", "spec", "--tokenizer-type", "X"])
+
+
+def test_help_lists_twinkle_flags():
+    proc = launch("--help")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--hf-model" in proc.stdout and "--lora-rank" in proc.stdout and "--num-layers" in proc.stdout
+
+
+def test_full_finetune_loads_hf_weights_trains_and_exports(checkpoints, tmp_path):
+    hf = checkpoints("qwen3")
+    proc = launch(
+        "--hf-model",
+        str(hf),
+        *COMMON,
+        "--train-iters",
+        "3",
+        "--lr",
+        "0.05",
+        "--save",
+        str(tmp_path / "ck"),
+        "--hf-export",
+        str(tmp_path / "hf-out"),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run = torch.load(tmp_path / "ck" / "run.pt")
+    losses = json.loads((tmp_path / "ck" / "losses.json").read_text())
+    # Iteration 1 is the HF model's loss on the same batch: the weights were loaded, not initialised.
+    assert abs(losses[0] - hf_loss(hf, run["tokens"])) <= 1e-4
+    assert losses[-1] < losses[0]
+    # The export is the trained model, loadable by transformers, giving the run's final logits.
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = exported(run["tokens"][:, :-1]).logits
+    assert (run["logits"][..., : CONFIGS["qwen3"]().vocab_size] - ref).abs().max().item() <= 1e-4
+
+
+def test_lora_run_freezes_base_saves_adapters_only_and_exports_peft(checkpoints, tmp_path):
+    hf = checkpoints("qwen3")
+    proc = launch(
+        "--hf-model",
+        str(hf),
+        *COMMON,
+        "--train-iters",
+        "3",
+        "--lr",
+        "0.5",
+        "--save",
+        str(tmp_path / "ck"),
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--lora-target",
+        "all-linear",
+        "--hf-export",
+        str(tmp_path / "adapter"),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run = torch.load(tmp_path / "ck" / "run.pt")
+    losses = json.loads((tmp_path / "ck" / "losses.json").read_text())
+    assert abs(losses[0] - hf_loss(hf, run["tokens"])) <= 1e-4  # B = 0 at start: exactly the base model
+    assert losses[-1] < losses[0]
+    keys = json.loads((tmp_path / "ck" / "iter_0000003" / "keys.json").read_text())
+    assert keys and all(".lora_" in k for k in keys), keys[:5]
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        ref = peft_model(run["tokens"][:, :-1]).logits
+    assert (run["logits"][..., : CONFIGS["qwen3"]().vocab_size] - ref).abs().max().item() <= 1e-4

@@ -1,0 +1,378 @@
+"""Run stock Megatron-LM ``pretrain_gpt.py`` on a Hugging Face Qwen checkpoint, full-parameter or LoRA.
+
+    torchrun ... -m twinkle_specs.launch <Megatron-LM>/pretrain_gpt.py --hf-model DIR \\
+        [--lora-rank 16 --lora-alpha 32 --lora-target all-linear] [--hf-export OUT] <Megatron flags>
+
+The script runs unmodified (``runpy``). Before it starts, this module
+1. turns the checkpoint's config.json into Megatron flags (user flags win where they may; a flag that
+   contradicts the checkpoint's architecture is an error naming both), adds ``--spec twinkle_specs
+   qwen_layer_spec`` and the HuggingFaceTokenizer flags;
+2. registers its own flags with Megatron's parser by composing with the script's
+   ``extra_args_provider`` (they show in ``--help`` and in the logged arguments);
+3. hooks GPTModel construction: the LoRA config is attached to the layer config before the layers are
+   built, the embedding is sized to the checkpoint's vocabulary, HF weights load right after
+   construction (before Float16/DDP wrapping and the optimizer), and with LoRA the base is frozen and
+   ``sharded_state_dict`` holds only the adapters, so ``--save``/``--load`` write and resume
+   adapter-only checkpoints on top of the HF base;
+4. exports to ``--hf-export`` after training (a PEFT adapter, or full/merged HF weights), and at every
+   checkpoint save with ``--hf-export-on-save``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import os
+import runpy
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config_mapping import megatron_args_from_hf
+from .hf_config import qwen_arch_from_hf
+
+# Checkpoint-derived flags a user may override (precision, regularisation, padding, aux loss).
+OVERRIDABLE = {
+    "--bf16",
+    "--fp16",
+    "--attention-dropout",
+    "--hidden-dropout",
+    "--init-method-std",
+    "--make-vocab-size-divisible-by",
+    "--moe-aux-loss-coeff",
+    "--moe-router-load-balancing-type",
+    "--max-position-embeddings",
+}
+EXCLUSIVE = {"--bf16": "--fp16", "--fp16": "--bf16"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+class LaunchError(ValueError):
+    """The command line cannot describe a run of this checkpoint."""
+
+
+def add_twinkle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """twinkle-specs' flags, registered in Megatron's own parser."""
+    g = parser.add_argument_group("twinkle-specs (Hugging Face Qwen)")
+    g.add_argument(
+        "--hf-model", type=str, default=None, help="Hugging Face Qwen checkpoint directory to start from"
+    )
+    g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank r; 0 trains every parameter")
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 * rank)")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout on the adapter input")
+    g.add_argument(
+        "--lora-target",
+        type=str,
+        default="all-linear",
+        help="comma-separated HF (q_proj,...,down_proj) or Megatron (linear_qkv,...) names, or all-linear",
+    )
+    g.add_argument("--lora-rslora", action="store_true", help="scale by alpha/sqrt(r) (rsLoRA)")
+    g.add_argument(
+        "--hf-export", type=str, default=None, help="write an HF checkpoint/PEFT adapter here at the end"
+    )
+    g.add_argument(
+        "--hf-export-merged",
+        action="store_true",
+        help="with LoRA: export merged full weights instead of a PEFT adapter",
+    )
+    g.add_argument("--hf-export-on-save", action="store_true", help="also export at every --save checkpoint")
+    return parser
+
+
+def _tokens_to_flags(tokens: list[str]) -> dict[str, list[str]]:
+    """``--flag v1 v2 --switch`` -> {"--flag": ["v1", "v2"], "--switch": []}."""
+    out: dict[str, list[str]] = {}
+    key = None
+    for tok in tokens:
+        if tok.startswith("--"):
+            key, _, inline = tok.partition("=")
+            out[key] = [inline] if inline else []
+        elif key is not None:
+            out[key].append(tok)
+    return out
+
+
+def _flag_groups(flags: list[str]) -> list[list[str]]:
+    groups: list[list[str]] = []
+    for tok in flags:
+        if tok.startswith("--"):
+            groups.append([tok])
+        else:
+            groups[-1].append(tok)
+    return groups
+
+
+def merge_flags(hf_dir: str, user: list[str]) -> list[str]:
+    """Checkpoint flags + tokenizer flags + the user's, with conflicts reported.
+
+    The user's flags come last (argparse keeps the last value), so where they may override they win;
+    where they contradict the checkpoint's architecture this raises, naming the flag and both values.
+    """
+    given = _tokens_to_flags(user)
+    merged: list[str] = []
+    for group in _flag_groups(megatron_args_from_hf(hf_dir)):
+        flag, values = group[0], group[1:]
+        if flag == "--spec":
+            if "--spec" in given and given["--spec"] != values:
+                raise LaunchError(
+                    f"--spec {' '.join(given['--spec'])}: the launcher runs --spec {' '.join(values)}"
+                )
+            merged += group
+            continue
+        if flag in given or EXCLUSIVE.get(flag) in given:
+            if flag in OVERRIDABLE or given.get(flag) == values:
+                continue
+            raise LaunchError(
+                f"{flag} {' '.join(given[flag])} contradicts the checkpoint {Path(hf_dir) / 'config.json'}, "
+                f"which needs {flag} {' '.join(values)}; drop the flag (the launcher sets it)"
+            )
+        merged += group
+    if "--tokenizer-type" not in given:
+        if not any((Path(hf_dir) / f).is_file() for f in TOKENIZER_FILES):
+            raise LaunchError(
+                f"{hf_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the tokenizer there or pass "
+                "--tokenizer-type/--tokenizer-model (e.g. --tokenizer-type NullTokenizer --vocab-size N with --mock-data)"
+            )
+        merged += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf_dir)]
+    return merged + user
+
+
+@dataclass
+class Run:
+    """What the hooks need to know about this launch, filled from Megatron's parsed args."""
+
+    hf_dir: str
+    lora: object | None = None
+    models: list = field(default_factory=list)
+
+
+_RUN: Run | None = None
+
+
+def _lora_from_args(args) -> object | None:
+    if not args.lora_rank:
+        return None
+    from .lora import LoraConfig
+
+    targets = [t.strip() for t in args.lora_target.split(",") if t.strip()]
+    return LoraConfig(
+        r=args.lora_rank,
+        lora_alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_rank,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets[0] if targets == ["all-linear"] else targets,
+        use_rslora=args.lora_rslora,
+    )
+
+
+def _wrap_parse_args(original):
+    @functools.wraps(original)
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        def composed(parser):
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return add_twinkle_args(parser)
+
+        args = original(composed, ignore_unknown_args)
+        global _RUN
+        _RUN = Run(hf_dir=args.hf_model, lora=_lora_from_args(args))
+        return args
+
+    return parse_args
+
+
+def _checkpoint_vocab(tokenizer_padded: int | None) -> int:
+    """Embedding rows: the checkpoint's vocabulary padded to TP (the tokenizer must fit inside it)."""
+    from megatron.core import parallel_state as ps
+
+    from .model import padded_vocab_size
+
+    arch = qwen_arch_from_hf(_RUN.hf_dir)
+    rows = padded_vocab_size(arch.vocab_size, ps.get_tensor_model_parallel_world_size())
+    if tokenizer_padded is not None and tokenizer_padded > rows:
+        raise LaunchError(
+            f"the tokenizer needs {tokenizer_padded} embedding rows but {_RUN.hf_dir} has {arch.vocab_size}; "
+            "use the checkpoint's own tokenizer"
+        )
+    return rows
+
+
+def _adapter_only(sharded_state_dict):
+    """Keeps only LoRA factors in a model's sharded state dict (adapter-only checkpoints)."""
+
+    @functools.wraps(sharded_state_dict)
+    def filtered(*args, **kwargs):
+        from .parallel import is_adapter_param
+
+        return {k: v for k, v in sharded_state_dict(*args, **kwargs).items() if is_adapter_param(k)}
+
+    return filtered
+
+
+def _wrap_gpt_init(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):
+        if _RUN is None or _RUN.hf_dir is None:
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        config = bound.arguments["config"]
+        if _RUN.lora is not None:
+            config.lora = _RUN.lora
+        bound.arguments["vocab_size"] = _checkpoint_vocab(bound.arguments.get("vocab_size"))
+        _set_megatron_padded_vocab(bound.arguments["vocab_size"])
+        original(*bound.args, **bound.kwargs)
+        from .loading import load_hf_weights
+
+        print(f"twinkle_specs: {load_hf_weights(self, _RUN.hf_dir)}", flush=True)
+        if _RUN.lora is not None:
+            from .lora import prepare_lora_model
+
+            prepare_lora_model(self)
+            self.sharded_state_dict = _adapter_only(self.sharded_state_dict)
+        _maybe_dump_batches(self)
+        _RUN.models.append(self)
+
+    return init
+
+
+def _set_megatron_padded_vocab(rows: int) -> None:
+    try:
+        from megatron.training import get_args
+    except ImportError:
+        return
+    args = get_args()
+    if args is not None:
+        args.padded_vocab_size = rows
+
+
+def _maybe_dump_batches(model) -> None:
+    """With $TWINKLE_DUMP_BATCHES set to a directory, saves the tokens and labels of the first training
+    micro-batches this stage sees, so the iteration-1 loss can be checked against transformers."""
+    out = os.environ.get("TWINKLE_DUMP_BATCHES")
+    if not out or not model.pre_process:
+        return
+    count = {"n": 0}
+    limit = int(os.environ.get("TWINKLE_DUMP_BATCHES_COUNT", "8"))
+
+    def hook(_module, args, kwargs):
+        labels = kwargs.get("labels")
+        if labels is None or count["n"] >= limit or not _module.training:
+            return
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        Path(out).mkdir(parents=True, exist_ok=True)
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        torch.save(
+            {"tokens": tokens.cpu(), "labels": labels.cpu()}, Path(out) / f"rank{rank}-mb{count['n']}.pt"
+        )
+        count["n"] += 1
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def export(models, out_dir: str | Path, *, merged: bool = False) -> None:
+    """Writes this run's model to ``out_dir``: a PEFT adapter for LoRA runs (merged HF weights with
+    ``merged``), full HF weights otherwise. Called on every rank."""
+    from .export import save_hf_weights
+
+    if _RUN is not None and _RUN.lora is not None and not merged:
+        from .lora import export_peft_adapter
+
+        export_peft_adapter(models, out_dir, base_model_name_or_path=_RUN.hf_dir)
+        return
+    if _RUN is not None and _RUN.lora is not None:
+        from .lora import merge_lora, unmerge_lora
+
+        merge_lora(models)
+        try:
+            save_hf_weights(models, out_dir, hf_dir=_RUN.hf_dir)
+        finally:
+            unmerge_lora(models)
+        return
+    save_hf_weights(models, out_dir, hf_dir=_RUN.hf_dir if _RUN else None)
+
+
+def _wrap_pretrain(original):
+    @functools.wraps(original)
+    def pretrain(*args, **kwargs):
+        result = original(*args, **kwargs)
+        from megatron.training import get_args
+
+        margs = get_args()
+        if margs.hf_export and _RUN is not None and _RUN.models:
+            export(_RUN.models, margs.hf_export, merged=margs.hf_export_merged)
+            print(f"twinkle_specs: exported to {margs.hf_export}", flush=True)
+        return result
+
+    return pretrain
+
+
+def _wrap_save_checkpoint(original):
+    @functools.wraps(original)
+    def save_checkpoint(iteration, *args, **kwargs):
+        result = original(iteration, *args, **kwargs)
+        from megatron.training import get_args
+
+        margs = get_args()
+        if margs.hf_export and margs.hf_export_on_save and _RUN is not None and _RUN.models:
+            export(
+                _RUN.models, Path(margs.hf_export) / f"iter_{iteration:07d}", merged=margs.hf_export_merged
+            )
+        return result
+
+    return save_checkpoint
+
+
+def _rebind(name: str, original, replacement) -> None:
+    """Points every ``megatron.training`` module's binding of ``original`` to ``replacement``."""
+    for mod_name, module in list(sys.modules.items()):
+        if mod_name.startswith("megatron.training") and getattr(module, name, None) is original:
+            setattr(module, name, replacement)
+
+
+def install_hooks() -> None:
+    """Installs the argument, model and export hooks (before the training script is run)."""
+    import megatron.training  # noqa: F401  (imports the modules whose bindings are rebound)
+    import megatron.training.arguments as arguments
+    import megatron.training.checkpointing as checkpointing
+    import megatron.training.training as training
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    _rebind("parse_args", arguments.parse_args, _wrap_parse_args(arguments.parse_args))
+    _rebind("pretrain", training.pretrain, _wrap_pretrain(training.pretrain))
+    _rebind(
+        "save_checkpoint", checkpointing.save_checkpoint, _wrap_save_checkpoint(checkpointing.save_checkpoint)
+    )
+    GPTModel.__init__ = _wrap_gpt_init(GPTModel.__init__)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        raise SystemExit(
+            "usage: python -m twinkle_specs.launch <Megatron-LM>/pretrain_gpt.py --hf-model DIR [flags]"
+        )
+    script, user = argv[0], argv[1:]
+    pre = add_twinkle_args(argparse.ArgumentParser(add_help=False)).parse_known_args(user)[0]
+    if "-h" in user or "--help" in user:
+        flags = user  # Megatron's --help, with twinkle-specs' flags listed
+    elif not pre.hf_model:
+        raise SystemExit("twinkle_specs.launch: --hf-model DIR is required (a Hugging Face Qwen checkpoint)")
+    else:
+        try:
+            flags = merge_flags(pre.hf_model, user)
+        except (LaunchError, ValueError, FileNotFoundError) as err:
+            raise SystemExit(f"twinkle_specs.launch: error: {err}") from err
+    script_dir = str(Path(script).resolve().parent)
+    if script_dir not in sys.path:
+        sys.path.insert(0, script_dir)  # the script imports its siblings (gpt_builders, model_provider)
+    install_hooks()
+    sys.argv = [script, *flags]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
