@@ -66,11 +66,16 @@ CONFIGS = {
 }
 
 
-def make_checkpoint(kind: str, out: Path, seed: int = 0, max_shard_size: str | None = None) -> Path:
+def make_checkpoint(
+    kind: str, out: Path, seed: int = 0, max_shard_size: str | None = None, vocab_size: int | None = None
+) -> Path:
     """Saves a random tiny model of ``kind`` as safetensors in ``out``; weights are scaled up from the
     default init so that errors in any tensor show clearly in the logits."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[kind]())
+    config = CONFIGS[kind]()
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

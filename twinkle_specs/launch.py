@@ -252,8 +252,10 @@ def _set_megatron_padded_vocab(rows: int) -> None:
 def _maybe_dump_batches(model) -> None:
     """With $TWINKLE_DUMP_BATCHES set to a directory, saves the tokens and labels of the first training
     micro-batches this stage sees, so the iteration-1 loss can be checked against transformers."""
+    from megatron.core import parallel_state as ps
+
     out = os.environ.get("TWINKLE_DUMP_BATCHES")
-    if not out or not model.pre_process:
+    if not out or not model.pre_process or ps.get_tensor_model_parallel_rank() != 0:
         return
     count = {"n": 0}
     limit = int(os.environ.get("TWINKLE_DUMP_BATCHES_COUNT", "8"))
