@@ -107,6 +107,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--node-ip-address", default=None, help="IP for a local cluster this script starts")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local cluster this script starts")
     p.add_argument("--placement-timeout", type=float, default=120.0, help="seconds to wait for resources")
+    p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between output/health polls")
     p.add_argument(
         "--stop-grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL at teardown"
     )
@@ -169,6 +170,8 @@ class RankWorker:
         self.proc: subprocess.Popen[bytes] | None = None
         self.tail: deque[str] = deque(maxlen=30)
         self.pump: threading.Thread | None = None
+        self.fresh: list[str] = []  # lines not yet fetched by the driver (read())
+        self.lock = threading.Lock()
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -187,7 +190,7 @@ class RankWorker:
             s.bind(("", 0))
             return int(s.getsockname()[1])
 
-    def start(self, cmd: list[str], env: dict[str, str], cwd: str, prefix: str, log_path: str | None) -> int:
+    def start(self, cmd: list[str], env: dict[str, str], cwd: str, log_path: str | None) -> int:
         full_env = {**os.environ, **env}
         self.proc = subprocess.Popen(
             cmd,
@@ -199,11 +202,13 @@ class RankWorker:
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
-        self.pump = threading.Thread(target=self._pump, args=(prefix, log_path), daemon=True)
+        self.pump = threading.Thread(target=self._pump, args=(log_path,), daemon=True)
         self.pump.start()
         return self.proc.pid
 
-    def _pump(self, prefix: str, log_path: str | None) -> None:
+    def _pump(self, log_path: str | None) -> None:
+        """Collect the child's output for the driver to fetch; the driver prints it, so no line is lost
+        to Ray's asynchronous log forwarding when the group ends."""
         assert self.proc is not None and self.proc.stdout is not None
         f = None
         if log_path:
@@ -211,12 +216,18 @@ class RankWorker:
             f = open(log_path, "a", buffering=1)  # noqa: SIM115
         for raw in self.proc.stdout:
             line = raw.decode(errors="replace").rstrip("\n")
-            self.tail.append(line)
-            print(f"{prefix} {line}", flush=True)
+            with self.lock:
+                self.tail.append(line)
+                self.fresh.append(line)
             if f:
                 f.write(line + "\n")
         if f:
             f.close()
+
+    def read(self) -> list[str]:
+        with self.lock:
+            out, self.fresh = self.fresh, []
+        return out
 
     def wait(self) -> dict[str, Any]:
         assert self.proc is not None
@@ -368,7 +379,6 @@ class Group:
     def run(self) -> tuple[int, str]:
         """Start every rank; return (0, '') when all exit 0, else (code, why) for the first failure."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
         a = self.args
         master = self.ranks[0]
@@ -386,7 +396,7 @@ class Group:
             log_path = (
                 str(Path(a.log_dir) / f"attempt_{self.attempt}" / f"rank_{r.rank}.log") if a.log_dir else None
             )
-            starts.append(r.actor.start.remote(self.cmd, env, a.workdir, f"[rank {r.rank}]", log_path))
+            starts.append(r.actor.start.remote(self.cmd, env, a.workdir, log_path))
         pids = ray.get(starts, timeout=60)
         for r, pid in zip(self.ranks, pids, strict=True):
             log(
@@ -394,10 +404,39 @@ class Group:
                 f"actor pid {r.info['pid']}, process pid {pid}"
             )
         waits = {r.actor.wait.remote(): r for r in self.ranks}
+        try:
+            return self._monitor(waits)
+        finally:
+            self._print_output(self.ranks)  # the last lines of every rank that can still be asked
+
+    def _print_output(self, ranks: list[Rank], timeout: float = 5.0) -> None:
+        """Fetch and print the ranks' new output lines as ``[rank R] line`` (dead actors are skipped)."""
+        import ray
+
+        if not ranks:
+            return
+        refs = {r.actor.read.remote(): r for r in ranks}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        for ref in sorted(done, key=lambda x: refs[x].rank):
+            try:
+                lines = ray.get(ref, timeout=1)
+            except Exception:  # noqa: BLE001 - an actor that died has nothing more to say
+                continue
+            for line in lines:
+                print(f"[rank {refs[ref].rank}] {line}", flush=True)
+
+    def _monitor(self, waits: dict[Any, Rank]) -> tuple[int, str]:
+        """Poll until every rank is done or one fails, printing output as it comes."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+        running = list(self.ranks)
         while waits:
-            done, _ = ray.wait(list(waits), num_returns=1, timeout=1.0)
+            done, _ = ray.wait(list(waits), num_returns=1, timeout=self.args.poll_interval)
+            self._print_output(running, timeout=self.args.poll_interval + 5)
             for ref in done:
                 r = waits.pop(ref)
+                running.remove(r)
                 where = f"rank {r.rank} (node {r.node_rank} {r.info['ip']}, local rank {r.local_rank})"
                 try:
                     res = ray.get(ref, timeout=10)
@@ -454,7 +493,6 @@ def connect(args: argparse.Namespace) -> None:
     """Join the given/running cluster, or start a local one."""
     import ray
 
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # rank lines differ only by prefix; never fold them
     kwargs: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:

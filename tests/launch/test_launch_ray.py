@@ -193,7 +193,22 @@ def _alive(pid: int) -> bool:
 
 def test_killed_actor_stops_the_group(cluster: str, tmp_path: Path) -> None:
     """SIGKILL one rank's actor: the driver tears everything down within seconds and exits non-zero."""
-    out = tmp_path / "out"
+    drv, actor_pids, proc_pids = _start_long_run(cluster, tmp_path / "out")
+    os.kill(actor_pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        _rest, err = drv.communicate(timeout=60)
+    finally:
+        drv.kill()
+    elapsed = time.monotonic() - t0
+    assert drv.returncode != 0
+    assert "rank 1 (node 0 127.0.0.1, local rank 1) died" in err, err
+    assert elapsed < 20, f"teardown took {elapsed:.1f}s"
+    _wait_dead([*proc_pids.values(), actor_pids[0]], timeout=10)
+
+
+def _start_long_run(cluster: str, out: Path) -> tuple[subprocess.Popen, dict[int, int], dict[int, int]]:
+    """Start a 2-rank driver that runs ~forever; return it with the ranks' actor and process pids."""
     cmd = [
         sys.executable,
         str(LAUNCH),
@@ -227,22 +242,26 @@ def test_killed_actor_stops_the_group(cluster: str, tmp_path: Path) -> None:
             actor_pids[int(m[1])], proc_pids[int(m[1])] = int(m[2]), int(m[3])
         if "iteration 2/" in line or time.monotonic() > deadline:
             break
-    assert len(actor_pids) == 2, "driver did not report both ranks"
-    os.kill(actor_pids[1], signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        rest, err = drv.communicate(timeout=60)
-    finally:
+    if len(actor_pids) != 2:
         drv.kill()
-    elapsed = time.monotonic() - t0
-    assert drv.returncode != 0
-    assert "rank 1 (node 0 127.0.0.1, local rank 1) died" in err, err
-    assert elapsed < 30, f"teardown took {elapsed:.1f}s"
-    for pid in (*proc_pids.values(), actor_pids[0]):
-        deadline = time.monotonic() + 10
+        raise AssertionError("driver did not report both ranks")
+    return drv, actor_pids, proc_pids
+
+
+def _wait_dead(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for pid in pids:
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(pid), f"pid {pid} still running after the group was torn down"
+        assert not _alive(pid), f"pid {pid} still running {timeout}s after the group should have stopped"
+
+
+def test_killed_driver_takes_the_ranks_with_it(cluster: str, tmp_path: Path) -> None:
+    """SIGKILL the driver: Ray kills the actors it owned, and each rank process dies with its actor."""
+    drv, actor_pids, proc_pids = _start_long_run(cluster, tmp_path / "out")
+    drv.kill()
+    drv.communicate(timeout=30)
+    _wait_dead([*proc_pids.values(), *actor_pids.values()], timeout=30)
 
 
 def test_raising_rank_fails_fast_with_reason(cluster: str, tmp_path: Path) -> None:
