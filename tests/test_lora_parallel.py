@@ -105,3 +105,40 @@ def test_layout_round_trips_peft_adapter(kind, targets, layout, tmp_path):
     assert sorted(src) == sorted(back)
     for key, t in src.items():
         assert torch.equal(t, back[key]), key
+
+
+def test_adapter_sharded_state_dict_keeps_every_tp_shard(tmp_path):
+    """Adapter-only sharded_state_dict at TP=2 (and TP=2 x PP=2) describes the same global tensors as at
+    TP=1: every element written exactly once, none lost to a factor mistaken for a replicated one."""
+    hf = make_checkpoint("qwen3", tmp_path / "hf")
+    ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, target_modules="all-linear"))
+    randomize_peft(ref_model)
+    ref_model.save_pretrained(tmp_path / "adapter")
+    dumps = {}
+    for name, nproc, layout in [
+        ("tp1", 1, []),
+        ("tp2", 2, ["--tp", "2"]),
+        ("tp2pp2", 4, ["--tp", "2", "--pp", "2"]),
+    ]:
+        out = tmp_path / name
+        out.mkdir()
+        run_ranks(
+            nproc,
+            WORKER,
+            "--hf",
+            str(hf),
+            "--adapter",
+            str(tmp_path / "adapter"),
+            "--out",
+            str(out),
+            "--sharded",
+            *layout,
+        )
+        dumps[name] = torch.load(out / "sharded.pt")
+    reference = dumps.pop("tp1")
+    assert len(reference) == 14  # 7 projections x (A, B), stacked over layers
+    for name, dump in dumps.items():
+        assert sorted(dump) == sorted(reference), name
+        for key, (full, count) in dump.items():
+            assert torch.equal(count, torch.ones_like(count)), f"{name}: {key} has lost or duplicated shards"
+            assert torch.equal(full, reference[key][0]), f"{name}: {key}"

@@ -134,3 +134,38 @@ def test_merge_unmerge_and_merged_export(hf, single_rank, tmp_path):  # noqa: F8
     assert (merged_hf - ref).abs().max().item() <= TOL
     assert (merged_hf - peft_merged).abs().max().item() <= TOL
     assert (merged_hf - with_adapter).abs().max().item() <= TOL
+
+
+def test_resume_from_adapter_only_checkpoint_continues_the_loss_curve(hf, single_rank, tmp_path):  # noqa: F811
+    """6 steps straight == 3 steps, adapter-only checkpoint, fresh model from the HF base, 3 steps.
+
+    The checkpoint here is the gathered PEFT directory (megatron-core 0.16's torch_dist writer needs
+    CUDA; the GPU tests save/load the sharded one). SGD keeps no optimizer state, so the adapter alone
+    determines the continuation.
+    """
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    toks = tokens(s=32)
+
+    def run(model, steps: int) -> list[float]:
+        opt = torch.optim.SGD(adapter_parameters(model), lr=0.5)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = _loss(model, toks)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(0)
+    straight = run(ts.build_model(hf, lora=lora), 6)
+    torch.manual_seed(0)
+    first = ts.build_model(hf, lora=lora)
+    head = run(first, 3)
+    export_peft_adapter(first, tmp_path / "ckpt")
+    resumed = ts.build_model(hf, lora=LoraConfig.from_peft(tmp_path / "ckpt"))
+    ts.load_peft_adapter(resumed, tmp_path / "ckpt")
+    tail = run(resumed, 3)
+    assert straight[0] > straight[-1]  # it trains
+    assert head == straight[:3]
+    assert max(abs(a - b) for a, b in zip(tail, straight[3:], strict=True)) <= 1e-6, (straight, head + tail)

@@ -59,6 +59,32 @@ def _finalize_grads(model) -> None:
             dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
 
 
+def _assemble_sharded(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    """Global tensors rebuilt from every rank's main-replica shards of the adapter sharded_state_dict,
+    with a count of how often each element was written (exactly once when no shard is lost)."""
+    from twinkle_specs.lora.checkpoint import adapter_sharded_state_dict
+
+    mine = []
+    for sh in adapter_sharded_state_dict(model).values():
+        if all(r == 0 for r in (sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,))):
+            mine.append(
+                (sh.key, sh.global_shape, sh.global_offset, sh.prepend_axis_num, sh.data.detach().clone())
+            )
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() != 0:
+        return None
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for shards in everyone:
+        for key, shape, offset, prepend, data in shards:
+            full, count = out.setdefault(key, (torch.zeros(shape), torch.zeros(shape)))
+            local = (1,) * prepend + tuple(data.shape)
+            where = tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))
+            full[where] = data.reshape(local)
+            count[where] += 1
+    return out
+
+
 def _gather_logits(logits: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
@@ -77,6 +103,7 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--roundtrip", action="store_true", help="only load the adapter and export it again")
+    ap.add_argument("--sharded", action="store_true", help="only assemble the adapter sharded_state_dict")
     args = ap.parse_args()
 
     from megatron.core import parallel_state as ps
@@ -95,6 +122,11 @@ def main() -> None:
     ts.load_peft_adapter(model, args.adapter)
     if args.roundtrip:
         ts.export_peft_adapter(model, out / "export")
+        return
+    if args.sharded:
+        assembled = _assemble_sharded(model)
+        if assembled is not None:
+            torch.save(assembled, out / "sharded.pt")
         return
     # eval(): no MoE aux-loss gradient (the reference loss has none); gradients still flow.
     model.eval()
