@@ -57,12 +57,14 @@ class LoraTELayerNormColumnParallelLinear(_LoraTELinear, TELayerNormColumnParall
     lora_parallel = "column"
 
     def lora_input(self, x: torch.Tensor) -> torch.Tensor:
-        if self.normalization != "RMSNorm":
-            raise NotImplementedError(f"LoRA on a {self.normalization}-fused linear: Qwen uses RMSNorm")
+        # The same norm megatron configured TE with (normalization, epsilon, zero-centred gamma).
+        config = self.config
+        if config.normalization != "RMSNorm":
+            raise NotImplementedError(f"LoRA on a {config.normalization}-fused linear: Qwen uses RMSNorm")
         weight = self.layer_norm_weight.float()
-        if self.zero_centered_gamma:
+        if config.layernorm_zero_centered_gamma:
             weight = weight + 1
-        return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, config.layernorm_epsilon).to(x.dtype)
 
 
 class LoraTEColumnParallelLinear(_LoraTELinear, TEColumnParallelLinear):

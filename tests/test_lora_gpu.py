@@ -1,0 +1,240 @@
+"""LoRA on the Transformer Engine path (GPU): the TE wrappers (norm-fused QKV/fc1, row/column linears,
+grouped-GEMM experts, router) against HF + PEFT, bf16 training with full recompute, merge/unmerge, and
+TP=2 with sequence parallelism through megatron's DDP, finalize_model_grads and dist checkpoints.
+
+Tolerances: fp32 runs TE's TF32 GEMMs against PEFT's fp32 eager ops, so logits are held to the limits
+measured for the base TE path (max |Δ| 1e-2, cosine >= 0.99999); bf16 logits are judged against the
+fp32 truth (cosine >= 0.999). Gradients: max |Δ| <= 1e-2 of the largest gradient.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine"),
+]
+
+FP32_MAX_ABS = 1e-2
+FP32_MIN_COSINE = 0.99999
+BF16_MIN_COSINE = 0.999
+GRAD_REL = 1e-2
+WORKER = Path(__file__).parent / "test_lora_gpu_worker.py"
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    import torch.distributed as dist
+    import transformer_engine  # noqa: F401  (the point of this module: the TE path)
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from test_lora_support import free_port
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    yield
+    ps.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from test_lora_support import make_checkpoint
+
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            made[kind] = make_checkpoint(kind, tmp_path_factory.mktemp(kind))
+        return made[kind]
+
+    return get
+
+
+def _peft_adapter(hf: Path, out: Path, **targets):
+    """A random PEFT adapter made by peft itself, and its fp32 logits (the truth)."""
+    import peft
+    from test_lora_support import hf_model, randomize_peft, tokens
+
+    model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=8, lora_alpha=16, **targets))
+    randomize_peft(model, std=0.05)
+    model.save_pretrained(out)
+    with torch.no_grad():
+        return model(tokens(s=64)).logits
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def _logits(model, toks: torch.Tensor) -> torch.Tensor:
+    from test_lora_support import VOCAB
+
+    toks = toks.cuda()
+    pos = torch.arange(toks.shape[1], device="cuda").expand_as(toks)
+    with torch.no_grad():
+        return model(toks, pos, None)[..., :VOCAB].float().cpu()
+
+
+CASES = {
+    "qwen3-all-linear": ("qwen3", dict(target_modules="all-linear"), {}),
+    "qwen3-q-v": ("qwen3", dict(target_modules=["q_proj", "v_proj"]), {}),
+    "qwen2-partial": ("qwen2", dict(target_modules=["k_proj", "o_proj", "up_proj"]), {}),
+    "qwen2_moe-shared": (
+        "qwen2_moe",
+        dict(target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]),
+        {},
+    ),
+    # grouped-GEMM experts (TEGroupedLinear) and the router
+    "qwen3_moe-grouped-all-linear": (
+        "qwen3_moe",
+        dict(target_modules="all-linear"),
+        {"moe_grouped_gemm": True},
+    ),
+    "qwen3_moe-sequential-experts": (
+        "qwen3_moe",
+        dict(
+            target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        ),
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize("kind,targets,extra", list(CASES.values()), ids=list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_te_lora_matches_peft(kind, targets, extra, dtype, ckpt, gpu, tmp_path):
+    from test_lora_support import tokens
+
+    import twinkle_specs as ts
+    from twinkle_specs import LoraConfig
+
+    hf = ckpt(kind)
+    truth = _peft_adapter(hf, tmp_path, **targets)
+    model = ts.build_model(
+        hf,
+        lora=LoraConfig.from_peft(tmp_path),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        parallel_output=False,
+        **extra,
+    ).eval()
+    wrappers = {type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Lora")}
+    assert wrappers and all("TE" in w or w == "LoraTopKRouter" for w in wrappers), wrappers
+    before = _logits(model, tokens(s=64))
+    ts.load_peft_adapter(model, tmp_path)
+    ours = _logits(model, tokens(s=64))
+    assert (truth - before).abs().max() > 0.05, "the adapter barely changes the logits: test is vacuous"
+    if dtype == torch.float32:
+        assert (ours - truth).abs().max().item() <= FP32_MAX_ABS
+        assert _cosine(ours, truth) >= FP32_MIN_COSINE
+    else:
+        assert _cosine(ours, truth) >= BF16_MIN_COSINE
+
+
+def test_te_bf16_training_with_full_recompute(ckpt, gpu):
+    from test_lora_support import VOCAB, tokens
+
+    import twinkle_specs as ts
+    from twinkle_specs import LoraConfig, merge_lora, unmerge_lora
+    from twinkle_specs.lora import adapter_parameters
+    from twinkle_specs.parallel import is_adapter_param
+
+    hf = ckpt("qwen3")
+    model = ts.build_model(
+        hf,
+        lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+    )
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter_param(n)}
+    opt = torch.optim.AdamW(adapter_parameters(model), lr=1e-2)
+    toks = tokens(s=64).cuda()
+    pos = torch.arange(toks.shape[1], device="cuda").expand_as(toks)
+    losses = []
+    for step in range(15):
+        opt.zero_grad()
+        logits = model(toks, pos, None)[..., :VOCAB].float()
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), toks[:, 1:].reshape(-1))
+        loss.backward()
+        if step == 0:
+            grads = [p.grad for p in adapter_parameters(model)]
+            assert all(g is not None and g.abs().max() > 0 for g in grads), (
+                "zero adapter grads under recompute"
+            )
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    for n, p in model.named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]), f"base weight {n} changed"
+
+    model.eval()
+    with_adapter = _logits(model, tokens(s=64))
+    merge_lora(model)
+    merged = _logits(model, tokens(s=64))
+    assert _cosine(merged, with_adapter) >= BF16_MIN_COSINE
+    unmerge_lora(model)
+    for n, p in model.named_parameters():
+        if n in base:
+            assert torch.equal(p, base[n]), f"unmerge did not restore {n} exactly"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs with Transformer Engine (TP=2)")
+def test_te_tp2_sequence_parallel_matches_peft(ckpt, tmp_path):
+    import json
+
+    import peft
+    from test_lora_support import VOCAB, free_port, hf_model, tokens
+
+    hf = ckpt("qwen3")
+    _peft_adapter(hf, tmp_path / "adapter", target_modules="all-linear")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        str(WORKER),
+        "--hf",
+        str(hf),
+        "--adapter",
+        str(tmp_path / "adapter"),
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+    checks = json.loads((tmp_path / "checks.json").read_text())
+    assert checks == {"only_adapters_in_ddp": True, "ckpt_equal": True}
+    ref = peft.PeftModel.from_pretrained(hf_model(hf), tmp_path / "adapter", is_trainable=True)
+    toks = tokens()
+    weights = torch.randn(*toks.shape, VOCAB, generator=torch.Generator().manual_seed(7))
+    truth = ref(toks).logits
+    (truth * weights).sum().backward()
+    ref_grads = {n.replace(".default", ""): p.grad for n, p in ref.named_parameters() if "lora_" in n}
+    ours = torch.load(tmp_path / "logits.pt")
+    assert (ours - truth.detach()).abs().max().item() <= FP32_MAX_ABS
+    grads = torch.load(tmp_path / "grads.pt")
+    assert sorted(grads) == sorted(ref_grads)
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    worst = max((grads[k].float() - ref_grads[k]).abs().max().item() for k in ref_grads)
+    assert worst <= GRAD_REL * scale, f"max |Δgrad| {worst} vs largest {scale}"
