@@ -78,6 +78,11 @@ ROUNDTRIPS = {
         ["--tp", "2"],
     ),
     "tp2-pp2-dense": ("qwen3", dict(target_modules="all-linear"), ["--tp", "2", "--pp", "2"]),
+    "pp2-vpp2": (
+        "qwen3_4l",
+        dict(target_modules=["q_proj", "k_proj", "down_proj"]),
+        ["--pp", "2", "--vpp", "2"],
+    ),
 }
 
 
@@ -87,7 +92,7 @@ def test_layout_round_trips_peft_adapter(kind, targets, layout, tmp_path):
     ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, lora_alpha=16, **targets))
     randomize_peft(ref_model)
     ref_model.save_pretrained(tmp_path / "adapter")
-    nproc = 4 if layout.count("2") == 2 else 2
+    nproc = 4 if "--tp" in layout and "--pp" in layout else 2
     run_ranks(
         nproc,
         WORKER,

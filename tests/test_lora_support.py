@@ -24,12 +24,20 @@ _COMMON = dict(
 
 
 def hf_config(kind: str):
-    """Tiny configs covering GQA + q/k norm (qwen3), QKV bias + tied embeddings (qwen2) and MoE."""
+    """Tiny configs covering GQA + q/k norm (qwen3), QKV bias + tied embeddings (qwen2) and MoE;
+    ``qwen3_4l`` has 4 layers, enough for 2 pipeline stages of 2 virtual chunks."""
     from transformers import Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     return {
         "qwen3": lambda: Qwen3Config(
             **_COMMON, intermediate_size=96, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False
+        ),
+        "qwen3_4l": lambda: Qwen3Config(
+            **(_COMMON | {"num_hidden_layers": 4}),
+            intermediate_size=96,
+            num_key_value_heads=2,
+            head_dim=24,
+            tie_word_embeddings=False,
         ),
         "qwen2": lambda: Qwen2Config(
             **_COMMON, intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=True

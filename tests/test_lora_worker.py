@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per stage (round trip only)")
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--roundtrip", action="store_true", help="only load the adapter and export it again")
     ap.add_argument("--sharded", action="store_true", help="only assemble the adapter sharded_state_dict")
@@ -114,11 +115,16 @@ def main() -> None:
     from twinkle_specs.lora.peft_io import gather_peft_tensors
 
     dist.init_process_group("gloo")
-    ps.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep)
-    out = Path(args.out)
-    model = ts.build_model(
-        args.hf, lora=LoraConfig.from_peft(args.adapter), sequence_parallel=args.sp, parallel_output=True
+    vpp = args.vpp if args.vpp > 1 else None
+    ps.initialize_model_parallel(
+        args.tp, args.pp, expert_model_parallel_size=args.ep, virtual_pipeline_model_parallel_size=vpp
     )
+    out = Path(args.out)
+    lora = LoraConfig.from_peft(args.adapter)
+    if vpp:  # a list of model chunks, as Megatron builds them for the interleaved schedule
+        model = [ts.build_model(args.hf, lora=lora, vp_stage=i) for i in range(vpp)]
+    else:
+        model = ts.build_model(args.hf, lora=lora, sequence_parallel=args.sp, parallel_output=True)
     ts.load_peft_adapter(model, args.adapter)
     if args.roundtrip:
         ts.export_peft_adapter(model, out / "export")
