@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from test_lora_support import VOCAB, hf_model, make_checkpoint, randomize_peft, run_ranks, tokens
 
 WORKER = Path(__file__).parent / "test_lora_worker.py"
-TOL = 1e-4  # logits, max |Δ| (measured: see the report in docs/lora.md)
-GRAD_TOL = 1e-4  # adapter gradients, max |Δ| relative to the largest gradient
+TOL = 1e-4  # logits, max |Δ| (measured <= 1.4e-6 at TP=2 and PP=2)
+GRAD_TOL = 1e-4  # adapter gradients, max |Δ| relative to the largest gradient (measured <= 8.6e-7)
 
 
 def _peft_reference(hf: Path, adapter: Path):

@@ -19,7 +19,7 @@ from test_lora_support import (
 import twinkle_specs as ts
 from twinkle_specs import LoraConfig, export_peft_adapter, load_peft_adapter
 
-TOL = 1e-4  # max |Δ| of fp32 logits; measured 0 to 4e-6 on torch 2.13 CPU
+TOL = 1e-4  # max |Δ| of fp32 logits; measured on torch 2.13 CPU: 0.0 dense, <= 2.6e-6 MoE
 BOTH_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 CASES = {
     "qwen3-all-linear": ("qwen3", dict(target_modules="all-linear")),
