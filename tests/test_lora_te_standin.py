@@ -1,0 +1,205 @@
+"""The Transformer Engine LoRA wrappers' own logic on CPU, over stand-ins for megatron's TE linears.
+
+TE cannot run here; the stand-ins honour the interface the wrappers rely on (constructor arguments,
+``forward(x) -> (out, bias)``, ``forward(x, m_splits)`` for grouped GEMMs, ``weight``/``weightN`` and
+``layer_norm_weight`` parameters). Expected outputs are built independently: the fused QKV delta through
+weight_map's QKV layout (the one HF loading uses), the others as merged dense weights. TE numerics are
+covered by tests/test_lora_gpu.py.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_lora_support import single_rank  # noqa: F401  (fixture)
+
+from twinkle_specs.lora.config import SlotSpec
+from twinkle_specs.weight_map import QKV
+
+TE_MODULE = "megatron.core.extensions.transformer_engine"
+TOL = 1e-5  # fp32, same arithmetic up to summation order
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self, input_size: int, output_size: int, *, config, **_):
+        super().__init__()
+        self.config = config
+        self.weight = torch.nn.Parameter(torch.randn(output_size, input_size) * 0.1)
+
+    def forward(self, x):
+        return F.linear(x, self.weight), None
+
+
+class _LayerNormLinear(_Linear):
+    def __init__(self, input_size: int, output_size: int, *, config, **kw):
+        super().__init__(input_size, output_size, config=config, **kw)
+        self.layer_norm_weight = torch.nn.Parameter(torch.rand(input_size) + 0.5)
+
+    def forward(self, x):
+        w = self.layer_norm_weight + (1 if self.config.layernorm_zero_centered_gamma else 0)
+        return F.linear(_rms(x, w, self.config.layernorm_epsilon), self.weight), None
+
+
+class _Grouped(torch.nn.Module):
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config, **_):
+        super().__init__()
+        self.config = config
+        for i in range(num_gemms):
+            self.register_parameter(
+                f"weight{i}", torch.nn.Parameter(torch.randn(output_size, input_size) * 0.1)
+            )
+
+    def forward(self, x, m_splits):
+        parts = torch.split(x, list(m_splits))
+        return torch.cat([F.linear(p, getattr(self, f"weight{i}")) for i, p in enumerate(parts)]), None
+
+
+@pytest.fixture
+def te(monkeypatch):
+    """twinkle_specs.lora.te_layers imported over stand-in TE classes (and forgotten afterwards)."""
+    fake = types.ModuleType(TE_MODULE)
+    for name, base in [
+        ("TELayerNormColumnParallelLinear", _LayerNormLinear),
+        ("TEColumnParallelLinear", _Linear),
+        ("TERowParallelLinear", _Linear),
+        ("TEColumnParallelGroupedLinear", _Grouped),
+        ("TERowParallelGroupedLinear", _Grouped),
+    ]:
+        setattr(fake, name, type(name, (base,), {"__module__": TE_MODULE}))
+    monkeypatch.setitem(sys.modules, TE_MODULE, fake)
+    monkeypatch.delitem(sys.modules, "twinkle_specs.lora.te_layers", raising=False)
+    import twinkle_specs.lora.te_layers as te_layers
+
+    yield te_layers
+    sys.modules.pop("twinkle_specs.lora.te_layers", None)
+
+
+def _config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=8,
+        normalization="RMSNorm",
+        use_cpu_initialization=True,
+        **kw,
+    )
+
+
+def _randomize(layer) -> None:
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in (*layer.lora_A.values(), *layer.lora_B.values()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_norm_fused_qkv_partial_targets(te, single_rank, zero_centered):  # noqa: F811
+    config = _config(layernorm_zero_centered_gamma=zero_centered)
+    slots = {"q_proj": SlotSpec(4, 8, False), "v_proj": SlotSpec(2, 8, True)}
+    layer = te.LoraTELayerNormColumnParallelLinear(
+        32, 64, config=config, lora_site="linear_qkv", lora_slots=slots, lora_dropout=0.0
+    )
+    _randomize(layer)
+    x = torch.randn(5, 2, 32)
+    out, bias = layer(x)
+    assert bias is None
+    # Expected: per-projection deltas in HF layout, interleaved by weight_map's QKV layout.
+    hf = {
+        "q": slots["q_proj"].scaling * layer.lora_B["q_proj"] @ layer.lora_A["q_proj"],
+        "k": torch.zeros(16, 32),
+        "v": slots["v_proj"].scaling * layer.lora_B["v_proj"] @ layer.lora_A["v_proj"],
+    }
+    delta = QKV(groups=2, heads_per_group=2, head_dim=8).load(
+        lambda name, rows, cols: hf[name][rows[0] : rows[1]], ("q", "k", "v"), 0, 1
+    )
+    w = layer.layer_norm_weight + (1 if zero_centered else 0)
+    expected = F.linear(_rms(x, w, config.layernorm_epsilon), layer.weight + delta)
+    assert (out - expected).abs().max().item() <= TOL
+    assert (
+        out - layer.forward.__wrapped__(x)[0] if hasattr(layer.forward, "__wrapped__") else out
+    ).abs().max() >= 0
+
+
+def test_row_and_column_linears_and_merge(te, single_rank):  # noqa: F811
+    config = _config()
+    row = te.LoraTERowParallelLinear(
+        32,
+        32,
+        config=config,
+        lora_site="linear_proj",
+        lora_slots={"o_proj": SlotSpec(4, 16, False)},
+        lora_dropout=0.0,
+    )
+    col = te.LoraTEColumnParallelLinear(
+        32,
+        48,
+        config=config,
+        lora_site="linear_fc1",
+        lora_slots={"up_proj": SlotSpec(4, 8, False)},
+        lora_dropout=0.0,
+    )
+    for layer in (row, col):
+        _randomize(layer)
+    x = torch.randn(3, 2, 32)
+    expected_row = F.linear(x, row.weight + 4.0 * row.lora_B["o_proj"] @ row.lora_A["o_proj"])
+    up = 2.0 * col.lora_B["up_proj"] @ col.lora_A["up_proj"]
+    expected_col = F.linear(x, col.weight + torch.cat([torch.zeros_like(up), up]))  # [gate; up]
+    assert (row(x)[0] - expected_row).abs().max().item() <= TOL
+    assert (col(x)[0] - expected_col).abs().max().item() <= TOL
+    base = col.weight.detach().clone()
+    col.merge()
+    assert (col(x)[0] - expected_col).abs().max().item() <= TOL  # merged weight, adapter skipped
+    col.unmerge()
+    assert torch.equal(col.weight, base)
+
+
+def test_grouped_experts_per_expert_adapters(te, single_rank):  # noqa: F811
+    config = _config()
+    layer = te.LoraTEColumnParallelGroupedLinear(
+        3,
+        32,
+        24,
+        config=config,
+        is_expert=True,
+        lora_site="experts.linear_fc1",
+        lora_slots={"gate_up_proj": SlotSpec(2, 4, False)},
+        lora_dropout=0.0,
+    )
+    assert layer.lora_A["gate_up_proj"].shape == (3, 2, 32) and layer.lora_B["gate_up_proj"].shape == (
+        3,
+        24,
+        2,
+    )
+    assert layer.lora_A["gate_up_proj"].allreduce is False  # expert-parallel, like the base weights
+    _randomize(layer)
+    splits = [2, 0, 3]
+    x = torch.randn(sum(splits), 32)
+    parts = torch.split(x, splits)
+    expected = torch.cat(
+        [
+            F.linear(
+                p,
+                getattr(layer, f"weight{e}")
+                + 2.0 * layer.lora_B["gate_up_proj"][e] @ layer.lora_A["gate_up_proj"][e],
+            )
+            for e, p in enumerate(parts)
+        ]
+    )
+    assert (layer(x, torch.tensor(splits))[0] - expected).abs().max().item() <= TOL
+    bases = [getattr(layer, f"weight{e}").detach().clone() for e in range(3)]
+    layer.merge()
+    assert (layer(x, splits)[0] - expected).abs().max().item() <= TOL
+    layer.unmerge()
+    assert all(torch.equal(getattr(layer, f"weight{e}"), b) for e, b in enumerate(bases))
