@@ -60,6 +60,45 @@ def _alive_nodes(address: str) -> int:
     return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
 
 
+def test_starts_a_local_cluster_when_none_is_running(tmp_path: Path) -> None:
+    """No --address and no cluster: the driver starts a local Ray, runs the ranks, and stops it again.
+
+    Defined before the tests that use the module's cluster: with a cluster running on this machine the
+    driver would (rightly) connect to it instead.
+    """
+    rt = tempfile.mkdtemp(prefix="rl", dir="/tmp")  # RAY_TMPDIR: no other cluster can be found there
+    try:
+        env = {**_ray_env(), "RAY_TMPDIR": rt}
+        cmd = [
+            sys.executable,
+            str(LAUNCH),
+            "--num-cpus",
+            "2",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--entry",
+            sys.executable,
+            "--procs-per-node",
+            "2",
+            "--",
+            str(DIST_CHECK),
+            "--out",
+            str(tmp_path),
+        ]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "no running Ray cluster found: starting a local one" in res.stdout
+        assert all(json.loads((tmp_path / f"rank_{r}.json").read_text())["allreduce"] == 3.0 for r in (0, 1))
+        leftovers = subprocess.run(["pgrep", "-f", rt], capture_output=True, text=True).stdout.split()
+        deadline = time.monotonic() + 15
+        while leftovers and time.monotonic() < deadline:
+            time.sleep(0.5)
+            leftovers = subprocess.run(["pgrep", "-f", rt], capture_output=True, text=True).stdout.split()
+        assert not leftovers, f"Ray processes of the local cluster still running: {leftovers}"
+    finally:
+        shutil.rmtree(rt, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
     """A head node with 4 CPUs on 127.0.0.1, started by `ray start --block` for this module, stopped after."""
@@ -262,41 +301,6 @@ def test_killed_driver_takes_the_ranks_with_it(cluster: str, tmp_path: Path) -> 
     drv.kill()
     drv.communicate(timeout=30)
     _wait_dead([*proc_pids.values(), *actor_pids.values()], timeout=30)
-
-
-def test_starts_a_local_cluster_when_none_is_running(tmp_path: Path) -> None:
-    """No --address and no cluster: the driver starts a local Ray, runs the ranks, and stops it again."""
-    rt = tempfile.mkdtemp(prefix="rl", dir="/tmp")  # RAY_TMPDIR: no other cluster can be found there
-    try:
-        env = {**_ray_env(), "RAY_TMPDIR": rt}
-        cmd = [
-            sys.executable,
-            str(LAUNCH),
-            "--num-cpus",
-            "2",
-            "--node-ip-address",
-            "127.0.0.1",
-            "--entry",
-            sys.executable,
-            "--procs-per-node",
-            "2",
-            "--",
-            str(DIST_CHECK),
-            "--out",
-            str(tmp_path),
-        ]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
-        assert res.returncode == 0, res.stdout + res.stderr
-        assert "no running Ray cluster found: starting a local one" in res.stdout
-        assert all(json.loads((tmp_path / f"rank_{r}.json").read_text())["allreduce"] == 3.0 for r in (0, 1))
-        leftovers = subprocess.run(["pgrep", "-f", rt], capture_output=True, text=True).stdout.split()
-        deadline = time.monotonic() + 15
-        while leftovers and time.monotonic() < deadline:
-            time.sleep(0.5)
-            leftovers = subprocess.run(["pgrep", "-f", rt], capture_output=True, text=True).stdout.split()
-        assert not leftovers, f"Ray processes of the local cluster still running: {leftovers}"
-    finally:
-        shutil.rmtree(rt, ignore_errors=True)
 
 
 def test_raising_rank_fails_fast_with_reason(cluster: str, tmp_path: Path) -> None:
