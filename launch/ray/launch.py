@@ -298,6 +298,28 @@ def pick_nodes(nodes: list[dict[str, Any]], want: int | None, cpus: float, gpus:
     return fit[:need]
 
 
+def _gpu_key(gpu_id: str) -> tuple[int, int | str]:
+    return (0, int(gpu_id)) if gpu_id.isdigit() else (1, gpu_id)
+
+
+def local_order(infos: list[dict[str, Any]], gpus: bool) -> tuple[list[int], str]:
+    """Local-rank order of one node's actors, and the node's CUDA_VISIBLE_DEVICES.
+
+    Every rank of a node sees all GPUs Ray gave that node's ranks, sorted, and LOCAL_RANK k is the actor
+    holding the k-th of them, so Megatron's ``torch.cuda.set_device(LOCAL_RANK)`` picks the rank's own GPU.
+    CPU ranks keep placement order and see no GPU.
+    """
+    if not gpus:
+        return list(range(len(infos))), ""
+    missing = [i for i, info in enumerate(infos) if len(info["gpu_ids"]) != 1]
+    if missing:
+        raise LaunchError(
+            f"GPU ranks must hold exactly one GPU each; got {[infos[i]['gpu_ids'] for i in missing]}"
+        )
+    order = sorted(range(len(infos)), key=lambda i: _gpu_key(infos[i]["gpu_ids"][0]))
+    return order, ",".join(infos[i]["gpu_ids"][0] for i in order)
+
+
 class Group:
     """One attempt: placement groups, actors and processes for every rank, torn down together."""
 
@@ -353,13 +375,8 @@ class Group:
             by_node.setdefault(node_rank, []).append((actor, info))
         world = len(nodes) * a.procs_per_node
         for node_rank in sorted(by_node):
-            members = by_node[node_rank]
-            if a.gpus_per_node:
-                # LOCAL_RANK i drives the i-th GPU of the node: every rank sees all of the node's GPUs.
-                members.sort(key=lambda m: int(m[1]["gpu_ids"][0]) if m[1]["gpu_ids"] else 0)
-                visible = ",".join(m[1]["gpu_ids"][0] for m in members if m[1]["gpu_ids"])
-            else:
-                visible = ""
+            order, visible = local_order([info for _, info in by_node[node_rank]], bool(a.gpus_per_node))
+            members = [by_node[node_rank][i] for i in order]
             for local_rank, (actor, info) in enumerate(members):
                 rank = node_rank * a.procs_per_node + local_rank
                 r = Rank(rank, node_rank, local_rank, actor, info)

@@ -398,6 +398,16 @@ def test_nodes_ordered_by_ip_and_checked() -> None:
         m.pick_nodes(nodes, 3, 8, 8)
 
 
+def test_gpu_local_ranks_follow_gpu_ids() -> None:
+    """Each GPU rank sees all of its node's GPUs; LOCAL_RANK k is the actor that holds the k-th one."""
+    m = _module()
+    infos = [{"gpu_ids": ["3"]}, {"gpu_ids": ["1"]}, {"gpu_ids": ["10"]}, {"gpu_ids": ["2"]}]
+    assert m.local_order(infos, True) == ([1, 3, 0, 2], "1,2,3,10")
+    assert m.local_order(infos, False) == ([0, 1, 2, 3], "")
+    with pytest.raises(m.LaunchError, match="exactly one GPU"):
+        m.local_order([{"gpu_ids": []}], True)
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
