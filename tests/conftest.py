@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from models import make_checkpoint  # noqa: E402
@@ -44,7 +45,9 @@ def run_dist(nproc: int, script: Path, *args: str, timeout: int = 300) -> subpro
         str(script),
         *args,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if not torch.cuda.is_available():
+        env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode:
         raise AssertionError(

@@ -21,6 +21,9 @@ pytestmark = [
 # fp32: TE's GEMMs and fused RMSNorm/RoPE/attention kernels (TF32 tensor-core math) vs transformers'
 # eager fp32 ops; measured on H200: max |Δ| 3.4e-3, mean |Δ| 5e-4, cosine 0.9999995 (Qwen2, 128 tokens).
 FP32_MAX_ABS = 1e-2
+# MoE: a token whose top-k experts are near-tied can route differently under TF32 (measured once on
+# Qwen2-MoE: max |Δ| 0.13 at one position, mean |Δ| 6e-4), so the max is bounded more loosely there.
+FP32_MOE_MAX_ABS = 0.25
 FP32_MEAN_ABS = 1e-3
 FP32_MIN_COSINE = 0.99999
 # bf16: both sides round to bf16 at different points, so they are judged against the fp32 truth:
@@ -67,7 +70,8 @@ def test_te_path_matches_transformers(kind, dtype, checkpoints, single_gpu):
     name = f"{kind}-{str(dtype).removeprefix('torch.')}"
     if dtype == torch.float32:
         _record(name, stats.as_dict())
-        assert stats.max_abs <= FP32_MAX_ABS and stats.mean_abs <= FP32_MEAN_ABS, stats
+        assert stats.max_abs <= (FP32_MOE_MAX_ABS if "moe" in kind else FP32_MAX_ABS), stats
+        assert stats.mean_abs <= FP32_MEAN_ABS, stats
         assert stats.cosine >= FP32_MIN_COSINE, stats
         return
     ours_err, hf_err = compare_logits(ours, truth), compare_logits(ref, truth)
