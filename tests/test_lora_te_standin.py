@@ -57,6 +57,9 @@ class _Grouped(torch.nn.Module):
                 f"weight{i}", torch.nn.Parameter(torch.randn(output_size, input_size) * 0.1)
             )
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return {}
+
     def forward(self, x, m_splits):
         parts = torch.split(x, list(m_splits))
         return torch.cat([F.linear(p, getattr(self, f"weight{i}")) for i, p in enumerate(parts)]), None
@@ -201,3 +204,8 @@ def test_grouped_experts_per_expert_adapters(te, single_rank):  # noqa: F811
     assert (layer(x, splits)[0] - expected).abs().max().item() <= TOL
     layer.unmerge()
     assert all(torch.equal(getattr(layer, f"weight{e}"), b) for e, b in enumerate(bases))
+    # Adapter checkpoint entries: one tensor per factor over the global (layer, expert) axes.
+    sd = layer.sharded_state_dict("experts.linear_fc1.", ((0, 1, 2),), {"dp_cp_group": None})
+    a = sd["experts.linear_fc1.lora_A.gate_up_proj"]
+    assert a.global_shape == (2, 3, 2, 32) and a.global_offset == (1, 0, 0, 0)
+    assert sorted(sd) == ["experts.linear_fc1.lora_A.gate_up_proj", "experts.linear_fc1.lora_B.gate_up_proj"]

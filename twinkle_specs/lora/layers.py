@@ -92,7 +92,6 @@ class LoraLayerMixin:
             self.lora_tp_group = ps.get_tensor_model_parallel_group()
         self.lora_sequence_parallel = bool(config.sequence_parallel) and self.lora_tp_size > 1
         self.lora_out_sizes = _slot_out_sizes(site, output_size, config)
-        self.lora_in_size = input_size
         device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
         self.lora_A = torch.nn.ParameterDict()
         self.lora_B = torch.nn.ParameterDict()
@@ -112,18 +111,18 @@ class LoraLayerMixin:
                 a.to(device=device, dtype=config.params_dtype).contiguous()
             )
             self.lora_B[slot] = torch.nn.Parameter(b.to(device=device, dtype=config.params_dtype))
-            sharded, replicated = (
+            sharded, whole = (
                 (self.lora_B[slot], self.lora_A[slot])
                 if self.lora_parallel == "column"
                 else (self.lora_A[slot], self.lora_B[slot])
             )
             dim = (0 if self.lora_parallel == "column" else 1) + len(stack)
             set_tensor_model_parallel_attributes(sharded, tp > 1, dim, 1)
-            set_tensor_model_parallel_attributes(replicated, False, 0, 1)
+            set_tensor_model_parallel_attributes(whole, False, 0, 1)
             if self.lora_sequence_parallel:
-                replicated.sequence_parallel = True
+                whole.sequence_parallel = True
             if is_expert:
-                for p in (sharded, replicated):
+                for p in (sharded, whole):
                     p.allreduce = False
 
     # -- forward ---------------------------------------------------------------------------------
@@ -224,14 +223,11 @@ class LoraLayerMixin:
         for key in [k for k in out if k[len(prefix) :].startswith(("lora_A.", "lora_B."))]:
             del out[key]
         factors = {f"lora_{n}.{s}": getattr(self, f"lora_{n}")[s] for n in "AB" for s in self.lora_slots}
-        sharded = "lora_B." if self.lora_parallel == "column" else "lora_A."
-        stack = 1 if self.lora_num_gemms else 0
-        axes = {
-            k: (0 if self.lora_parallel == "column" else 1) + stack for k in factors if k.startswith(sharded)
-        }
-        metadata = metadata or {}
         if self.lora_num_gemms:
-            return out | _grouped_sharded(factors, prefix, axes, sharded_offsets, self)
+            return out | _grouped_sharded(factors, prefix, sharded_offsets, self.lora_num_gemms)
+        sharded = "lora_B." if self.lora_parallel == "column" else "lora_A."
+        axes = {k: 0 if self.lora_parallel == "column" else 1 for k in factors if k.startswith(sharded)}
+        metadata = metadata or {}
         out |= make_sharded_tensors_for_checkpoint(
             factors,
             prefix,
@@ -243,22 +239,21 @@ class LoraLayerMixin:
         return out
 
 
-def _grouped_sharded(factors, prefix, axes, sharded_offsets, layer) -> dict:
-    """Per-expert factors stacked on dim 0: one ShardedTensor per expert at its global index."""
+def _grouped_sharded(factors: dict, prefix: str, sharded_offsets: tuple, local_experts: int) -> dict:
+    """Grouped-GEMM factors, [local experts, ...] each: this rank's block of the global expert axis
+    (expert-tensor-parallel size is 1, so there is no TP axis), replicated over expert-DP."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     ep_rank = ps.get_expert_model_parallel_rank()
     ep_size = ps.get_expert_model_parallel_world_size()
-    local = layer.lora_num_gemms
-    dp_rank = ps.get_expert_data_parallel_rank()
     out = {}
     for key, t in factors.items():
         out[f"{prefix}{key}"] = ShardedTensor.from_rank_offsets(
             f"{prefix}{key}",
             t,
             *sharded_offsets,
-            (len(sharded_offsets), ep_rank * local, ep_size * local),
-            replica_id=(0, 0, dp_rank),
+            (len(sharded_offsets), ep_rank, ep_size),
+            replica_id=(0, 0, ps.get_expert_data_parallel_rank()),
             prepend_axis_num=len(sharded_offsets),
         )
     return out
