@@ -544,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     import ray
+    from ray.exceptions import RayError
 
     if __name__ != "__main__":  # imported (tests, wrappers): ship RankWorker by value to the workers
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -566,12 +567,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"(latest_checkpointed_iteration.txt: {it})"
                 )
             group = Group(args, cmd, attempt)
+            code, why = 1, ""
             try:
                 group.place()
                 code, why = group.run()
             except LaunchError as e:
                 print(f"launch.py: error: {e}", file=sys.stderr)
                 return 2
+            except RayError as e:  # e.g. an actor died while the group was being set up: restartable
+                why = f"starting the group failed: {_first_line(e)}"
             finally:
                 t0 = time.monotonic()
                 group.teardown()
