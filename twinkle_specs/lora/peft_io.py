@@ -173,11 +173,12 @@ def gather_peft_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] |
         else:
             experts.setdefault(f.key, {})[f.expert] = t.cpu()
             num_experts = f.num_experts
-    gathered = [(local, experts, num_experts)]
+    gathered: list = [(local, experts, num_experts)]
     if dist.is_initialized():
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (local, experts, num_experts))
-        if dist.get_rank() != 0:
+        rank0 = dist.get_rank() == 0
+        gathered = [None] * dist.get_world_size() if rank0 else None
+        dist.gather_object((local, experts, num_experts), gathered, dst=0)
+        if not rank0:
             return None
     tensors: dict[str, torch.Tensor] = {}
     all_experts: dict[str, dict[int, torch.Tensor]] = {}
