@@ -1,12 +1,14 @@
-"""Composes LoRA wrappers into a layer's ModuleSpecs: each targeted linear's class is swapped for its
-LoRA subclass, with the site and LoraConfig passed as spec params. Nothing else in the layer changes."""
+"""Composes LoRA wrappers into a layer's specs: each targeted linear's class is swapped for its LoRA
+subclass, with its site, slots (rank, scaling) and dropout passed as ModuleSpec params. Nothing else in
+the layer changes. Works on megatron-core 0.16's ModuleSpecs and 0.19's builder partials alike."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -34,29 +36,54 @@ def _wrapper_for(base: type) -> type:
     raise TypeError(f"no LoRA wrapper for {base.__module__}.{base.__qualname__}")
 
 
-def _wrap(spec: ModuleSpec | type, site: str, sites: Sites, dropout: float) -> ModuleSpec | type:
+def _wrap(spec: Any, site: str, sites: Sites, dropout: float) -> Any:
+    """A linear's spec (class, ModuleSpec or builder partial) as a ModuleSpec of its LoRA wrapper."""
     if site not in sites:
         return spec
-    base, params = (spec.module, spec.params) if isinstance(spec, ModuleSpec) else (spec, {})
+    if isinstance(spec, ModuleSpec):
+        base, params = spec.module, spec.params
+    elif isinstance(spec, functools.partial):
+        base, params = spec.func, spec.keywords
+    else:
+        base, params = spec, {}
     lora_params = {"lora_site": site, "lora_slots": sites[site], "lora_dropout": dropout}
     return ModuleSpec(module=_wrapper_for(base), params={**params, **lora_params})
 
 
-def _wrap_mlp(spec: ModuleSpec, prefix: str, sites: Sites, dropout: float) -> ModuleSpec:
-    sub = spec.submodules
-    if not isinstance(sub, MLPSubmodules):
-        if f"{prefix}linear_fc1" in sites or f"{prefix}linear_fc2" in sites:
+def _submodules(spec: Any) -> Any:
+    """The submodules of a ModuleSpec (megatron-core 0.16) or of a builder partial (0.19)."""
+    if isinstance(spec, ModuleSpec):
+        return spec.submodules
+    if isinstance(spec, functools.partial):
+        return spec.keywords.get("submodules")
+    return None
+
+
+def _with_submodules(spec: Any, submodules: Any) -> Any:
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, submodules=submodules)
+    return functools.partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})
+
+
+def _wrap_mlp(spec: Any, prefix: str, sites: Sites, dropout: float) -> Any:
+    """An MLP-like spec (dense MLP, shared expert, experts) with its linear_fc1/fc2 wrapped."""
+    sub = _submodules(spec)
+    targeted = f"{prefix}linear_fc1" in sites or f"{prefix}linear_fc2" in sites
+    if not hasattr(sub, "linear_fc1"):
+        if targeted:
             raise NotImplementedError(
-                f"LoRA cannot adapt {spec.module.__name__} (no per-linear submodules); use SequentialMLP "
-                "or Transformer Engine grouped GEMM experts"
+                f"LoRA cannot adapt {spec!r} (no per-linear submodules); use SequentialMLP or Transformer "
+                "Engine grouped-GEMM experts"
             )
+        return spec
+    if not targeted:
         return spec
     sub = dataclasses.replace(
         sub,
         linear_fc1=_wrap(sub.linear_fc1, f"{prefix}linear_fc1", sites, dropout),
         linear_fc2=_wrap(sub.linear_fc2, f"{prefix}linear_fc2", sites, dropout),
     )
-    return dataclasses.replace(spec, submodules=sub)
+    return _with_submodules(spec, sub)
 
 
 def lora_layer_submodules(
@@ -73,23 +100,22 @@ def lora_layer_submodules(
     )
     p = lora.lora_dropout
     attn = submodules.self_attention
+    attn_sub = _submodules(attn)
     attn_sub = dataclasses.replace(
-        attn.submodules,
-        linear_qkv=_wrap(attn.submodules.linear_qkv, "linear_qkv", sites, p),
-        linear_proj=_wrap(attn.submodules.linear_proj, "linear_proj", sites, p),
+        attn_sub,
+        linear_qkv=_wrap(attn_sub.linear_qkv, "linear_qkv", sites, p),
+        linear_proj=_wrap(attn_sub.linear_proj, "linear_proj", sites, p),
     )
     mlp = submodules.mlp
-    if isinstance(mlp.submodules, MoESubmodules):
-        moe = mlp.submodules
+    moe = _submodules(mlp)
+    if isinstance(moe, MoESubmodules):
         moe = dataclasses.replace(
             moe,
             experts=_wrap_mlp(moe.experts, "experts.", sites, p),
             shared_experts=moe.shared_experts and _wrap_mlp(moe.shared_experts, "", sites, p),
             router=_wrap(moe.router, "router", sites, p),
         )
-        mlp = dataclasses.replace(mlp, submodules=moe)
+        mlp = _with_submodules(mlp, moe)
     else:
         mlp = _wrap_mlp(mlp, "", sites, p)
-    return dataclasses.replace(
-        submodules, self_attention=dataclasses.replace(attn, submodules=attn_sub), mlp=mlp
-    )
+    return dataclasses.replace(submodules, self_attention=_with_submodules(attn, attn_sub), mlp=mlp)
