@@ -4,11 +4,13 @@ TP=2 with sequence parallelism through megatron's DDP, finalize_model_grads and 
 
 Tolerances: fp32 runs TE's TF32 GEMMs against PEFT's fp32 eager ops, so logits are held to the limits
 measured for the base TE path (max |Δ| 1e-2, cosine >= 0.99999); bf16 logits are judged against the
-fp32 truth (cosine >= 0.999). Gradients: max |Δ| <= 1e-2 of the largest gradient.
+fp32 truth (cosine >= 0.999). Gradients: max |Δ| <= 1e-2 of the largest gradient. The measured
+statistics are written to $TWINKLE_EVIDENCE_DIR/lora-gpu.json when that is set.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,6 +30,14 @@ FP32_MIN_COSINE = 0.99999
 BF16_MIN_COSINE = 0.999
 GRAD_REL = 1e-2
 WORKER = Path(__file__).parent / "test_lora_gpu_worker.py"
+_results: dict[str, dict] = {}
+
+
+def _record(name: str, **stats: float) -> None:
+    _results[name] = stats
+    out = os.environ.get("TWINKLE_EVIDENCE_DIR")
+    if out:
+        Path(out, "lora-gpu.json").write_text(json.dumps(_results, indent=2))
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +149,11 @@ def test_te_lora_matches_peft(kind, targets, extra, dtype, ckpt, gpu, tmp_path):
     ts.load_peft_adapter(model, tmp_path)
     ours = _logits(model, tokens(s=64))
     assert (truth - before).abs().max() > 0.05, "the adapter barely changes the logits: test is vacuous"
+    _record(
+        f"{kind}-{'-'.join(sorted(str(v) for v in targets.values()))}-{extra}-{dtype}",
+        max_abs=(ours - truth).abs().max().item(),
+        cosine=_cosine(ours, truth),
+    )
     if dtype == torch.float32:
         assert (ours - truth).abs().max().item() <= FP32_MAX_ABS
         assert _cosine(ours, truth) >= FP32_MIN_COSINE
@@ -199,8 +214,6 @@ def test_te_bf16_training_with_full_recompute(ckpt, gpu):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs with Transformer Engine (TP=2)")
 def test_te_tp2_sequence_parallel_matches_peft(ckpt, tmp_path):
-    import json
-
     import peft
     from test_lora_support import VOCAB, free_port, hf_model, tokens
 
@@ -232,9 +245,11 @@ def test_te_tp2_sequence_parallel_matches_peft(ckpt, tmp_path):
     (truth * weights).sum().backward()
     ref_grads = {n.replace(".default", ""): p.grad for n, p in ref.named_parameters() if "lora_" in n}
     ours = torch.load(tmp_path / "logits.pt")
+    _record("tp2-sp-logits", max_abs=(ours - truth.detach()).abs().max().item())
     assert (ours - truth.detach()).abs().max().item() <= FP32_MAX_ABS
     grads = torch.load(tmp_path / "grads.pt")
     assert sorted(grads) == sorted(ref_grads)
     scale = max(g.abs().max().item() for g in ref_grads.values())
     worst = max((grads[k].float() - ref_grads[k]).abs().max().item() for k in ref_grads)
+    _record("tp2-sp-grads", max_abs_over_largest=worst / scale)
     assert worst <= GRAD_REL * scale, f"max |Δgrad| {worst} vs largest {scale}"
