@@ -3,7 +3,8 @@ grouped-GEMM experts, router) against HF + PEFT, bf16 training with full recompu
 TP=2 with sequence parallelism through megatron's DDP, finalize_model_grads and dist checkpoints.
 
 Tolerances: fp32 runs TE's TF32 GEMMs against PEFT's fp32 eager ops, so logits are held to the limits
-measured for the base TE path (max |Δ| 1e-2, cosine >= 0.99999); bf16 logits are judged against the
+measured for the base TE path (max |Δ| 1e-2, 0.25 for MoE routing flips, mean |Δ| 1e-3, cosine >=
+0.99999); bf16 logits are judged against the
 fp32 truth (cosine >= 0.999). Gradients: max |Δ| <= 1e-2 of the largest gradient. The measured
 statistics are written to $TWINKLE_EVIDENCE_DIR/lora-gpu.json when that is set.
 """
@@ -26,6 +27,10 @@ pytestmark = [
 ]
 
 FP32_MAX_ABS = 1e-2
+# MoE: near-tied top-k experts can route differently under TF32 (the base TE path measured max |Δ| 0.13
+# at one position on Qwen2-MoE), so the max is bounded loosely there and the mean tightly everywhere.
+FP32_MOE_MAX_ABS = 0.25
+FP32_MEAN_ABS = 1e-3
 FP32_MIN_COSINE = 0.99999
 BF16_MIN_COSINE = 0.999
 GRAD_REL = 1e-2
@@ -152,10 +157,12 @@ def test_te_lora_matches_peft(kind, targets, extra, dtype, ckpt, gpu, tmp_path):
     _record(
         f"{kind}-{'-'.join(sorted(str(v) for v in targets.values()))}-{extra}-{dtype}",
         max_abs=(ours - truth).abs().max().item(),
+        mean_abs=(ours - truth).abs().mean().item(),
         cosine=_cosine(ours, truth),
     )
     if dtype == torch.float32:
-        assert (ours - truth).abs().max().item() <= FP32_MAX_ABS
+        assert (ours - truth).abs().max().item() <= (FP32_MOE_MAX_ABS if "moe" in kind else FP32_MAX_ABS)
+        assert (ours - truth).abs().mean().item() <= FP32_MEAN_ABS
         assert _cosine(ours, truth) >= FP32_MIN_COSINE
     else:
         assert _cosine(ours, truth) >= BF16_MIN_COSINE
