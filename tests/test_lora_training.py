@@ -19,6 +19,7 @@ from test_lora_support import (
 
 import twinkle_specs as ts
 from twinkle_specs import LoraConfig, export_peft_adapter, merge_lora, unmerge_lora
+from twinkle_specs.export import save_hf_weights
 from twinkle_specs.lora import adapter_parameters
 from twinkle_specs.parallel import is_adapter_param
 
@@ -117,7 +118,7 @@ def test_merge_unmerge_and_merged_export(hf, single_rank, tmp_path):  # noqa: F8
     changed = [n for n, p in model.named_parameters() if n in base and not torch.equal(p, base[n])]
     assert changed and all(("linear_qkv" in n or "linear_fc" in n) for n in changed)
 
-    ts.save_hf_weights(model, tmp_path / "merged")
+    save_hf_weights(model, tmp_path / "merged")
     unmerge_lora(model)
     for n, p in model.named_parameters():
         if n in base:
