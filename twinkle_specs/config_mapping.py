@@ -48,7 +48,8 @@ def _settings(arch: QwenArch) -> list[Setting]:
         Setting(["--swiglu"], {"gated_linear_unit": True, "activation_func": F.silu}),
         Setting(["--disable-bias-linear"], {"add_bias_linear": False}),
         Setting(
-            ["--position-embedding-type", "rope", "--rotary-base", f"{arch.rotary_base:g}"],
+            # Megatron-LM parses --rotary-base as an int.
+            ["--position-embedding-type", "rope", "--rotary-base", str(int(arch.rotary_base))],
             {"rotary_base": arch.rotary_base},
         ),
         Setting(

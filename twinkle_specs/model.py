@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 
@@ -25,14 +26,16 @@ def build_model(
     hf_dir: str | Path,
     *,
     load_weights: bool = True,
-    parallel_output: bool = False,
+    parallel_output: bool = True,
     vp_stage: int | None = None,
+    seed: int = 1234,
     lora: LoraConfig | None = None,
     **overrides: Any,
 ) -> GPTModel:
     """This rank's GPTModel stage built from ``qwen_layer_spec``, with the HF weights loaded.
 
-    Needs megatron's parallel state initialized. ``overrides`` go to the TransformerConfig
+    Needs megatron's parallel state initialized. With ``parallel_output`` (Megatron's default, what
+    vocab-parallel cross-entropy wants) logits stay split over TP ranks along the vocabulary. ``overrides`` go to the TransformerConfig
     (e.g. ``params_dtype=torch.float32``, ``sequence_parallel=True``, ``moe_grouped_gemm=True``).
     With ``lora``, the spec wraps the targeted linears and every base parameter is frozen.
     """
@@ -43,6 +46,11 @@ def build_model(
         )
     arch = qwen_arch_from_hf(hf_dir)
     config = transformer_config_from_hf(hf_dir, **overrides)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+        if "model-parallel-rng" not in get_cuda_rng_tracker().get_states():
+            model_parallel_cuda_manual_seed(seed)  # TE/TP weight init draws from the model-parallel RNG
     if lora is not None:
         config.lora = lora  # read by qwen_layer_submodules
     model = GPTModel(
@@ -58,6 +66,10 @@ def build_model(
         rotary_base=arch.rotary_base,
         vp_stage=vp_stage,
     )
+    if torch.cuda.is_available():
+        # As Megatron's get_model does: some parameters (e.g. TE norms, the shared-expert gate) start on
+        # the host even without use_cpu_initialization.
+        model.cuda(torch.cuda.current_device())
     if load_weights:
         load_hf_weights(model, hf_dir)
     if lora is not None:
