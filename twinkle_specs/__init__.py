@@ -5,6 +5,7 @@ from .patches import apply_all as _apply_patches
 _apply_patches()
 
 from .config_mapping import megatron_args_from_hf, transformer_config_from_hf  # noqa: E402
+from .export import save_hf_weights  # noqa: E402
 from .loading import load_hf_weights  # noqa: E402
 from .lora import (  # noqa: E402
     LoraConfig,
@@ -25,6 +26,7 @@ __all__ = [
     "megatron_args_from_hf",
     "merge_lora",
     "qwen_layer_spec",
+    "save_hf_weights",
     "transformer_config_from_hf",
     "unmerge_lora",
 ]
