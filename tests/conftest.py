@@ -56,9 +56,10 @@ def run_dist(nproc: int, script: Path, *args: str, timeout: int = 300) -> subpro
     return proc
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def megatron_single():
-    """megatron's parallel state at world size 1 (gloo on CPU, NCCL on a GPU) for in-process tests."""
+    """megatron's parallel state at world size 1 (gloo on CPU, NCCL on a GPU) for in-process tests;
+    (re-)initialised when another module's fixture has torn it down."""
     from twinkle_specs.parity import _init_single_process
 
     _init_single_process()
