@@ -1,0 +1,1 @@
+"""Benchmark harness for twinkle-specs (see bench/README.md and docs/benchmarks.md)."""

@@ -1,0 +1,664 @@
+"""One benchmark variant in this process: build, warm up, time complete training iterations, measure.
+
+Variants (``VARIANTS``): Megatron-side runs use megatron-core's DistributedDataParallel and
+``get_megatron_optimizer`` (distributed Adam, fp32 main weights) on a GPU; on CPU (the portable path
+of the CI test) megatron's DDP cannot run (its buffers are CUDA tensors), so torch AdamW on the
+trainable parameters stands in, and the result says so. The Hugging Face run uses torch AdamW.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+import statistics
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .flops import peak_flops, step_flops
+
+VARIANTS = {
+    "mcore_te_full": "(a) megatron-core TE spec, full fine-tune",
+    "twinkle_full": "(b) twinkle_specs spec, full fine-tune",
+    "twinkle_lora": "(c) twinkle_specs LoRA all-linear",
+    "hf_peft_lora": "(d) transformers + PEFT LoRA all-linear (sdpa)",
+    "twinkle_frozen": "(e) twinkle_specs, all weights frozen (fwd+bwd, no optimizer; memory reference)",
+    "hf_full": "(f) transformers full fine-tune (sdpa)",
+}
+MODE = {
+    "mcore_te_full": "full",
+    "twinkle_full": "full",
+    "twinkle_lora": "lora",
+    "hf_peft_lora": "lora",
+    "twinkle_frozen": "frozen",
+    "hf_full": "full",
+}
+GiB = 2**30
+
+
+@dataclass
+class Settings:
+    """Knobs of one run (the same for every variant of it)."""
+
+    seq_len: int = 4096
+    micro_batch_size: int = 1
+    warmup: int = 3
+    steps: int = 10
+    dtype: str = "bf16"  # bf16 | fp32
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lr: float = 1e-5
+    ce_fusion: bool = True  # megatron cross_entropy_loss_fusion (GPU)
+    ce_fusion_impl: str = "te"  # te | native
+    cuda_graphs: str = "none"  # none | local | transformer_engine
+    gpu_fusions: bool = True  # rope / swiglu fusions on the Megatron side (GPU)
+    mcore_overrides: dict[str, Any] = field(default_factory=dict)
+    load: bool = True  # time HF -> Megatron loading in twinkle_full (needs the safetensors checkpoint)
+    profile: bool = False
+    profile_steps: int = 2
+    profile_trace: bool = False
+    seed: int = 1234
+
+    def torch_dtype(self) -> torch.dtype:
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
+
+
+def lora_config(s: Settings):
+    from twinkle_specs.lora import LoraConfig
+
+    return LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, target_modules="all-linear")
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
+
+
+def _sync() -> None:
+    if on_gpu():
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------------------------- timing
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median and spread of per-step times (seconds)."""
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:
+        k = (len(ordered) - 1) * p
+        lo, hi = math.floor(k), math.ceil(k)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+    return {
+        "median": statistics.median(values),
+        "mean": statistics.fmean(values),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "p10": pct(0.1),
+        "p90": pct(0.9),
+        "std": statistics.pstdev(values),
+        "all": values,
+    }
+
+
+def time_steps(step, warmup: int, steps: int) -> dict[str, Any]:
+    """Runs ``warmup`` untimed and ``steps`` timed iterations, without a host sync between timed
+    iterations (CUDA events on a GPU: each step's time is event i to event i+1). Returns per-step times,
+    the wall time of the timed loop, peak memory and losses."""
+    losses = [float(step()) for _ in range(warmup)]
+    _sync()
+    gc.collect()
+    mem_before = None
+    if on_gpu():
+        torch.cuda.reset_peak_memory_stats()
+        mem_before = torch.cuda.memory_allocated()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    outs = []
+    t0 = time.perf_counter()
+    marks = [t0]
+    for i in range(steps):
+        if on_gpu():
+            events[i].record()
+        outs.append(step())
+        if on_gpu():
+            if i == steps - 1:
+                events[steps].record()
+        else:
+            marks.append(time.perf_counter())
+    _sync()
+    wall = time.perf_counter() - t0
+    if on_gpu():
+        times = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(steps)]
+    else:
+        times = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    losses += [float(x) for x in outs]
+    result = {"step_time_s": spread(times), "timed_wall_s": wall, "losses": losses}
+    if on_gpu():
+        result |= {
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / GiB,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB,
+            "memory_before_step_gib": mem_before / GiB,
+            "step_memory_gib": (torch.cuda.max_memory_allocated() - mem_before) / GiB,
+        }
+    return result
+
+
+# -------------------------------------------------------------------------------------------- profile
+
+# Kernel-name patterns -> category, for "where the time goes" (first match wins).
+CATEGORIES = (
+    ("attention", ("flash", "fmha", "attn", "sdpa", "scaled_dot_product", "cudnn")),
+    (
+        "gemm",
+        (
+            "gemm",
+            "cutlass",
+            "xmma",
+            "cublas",
+            "nvjet",
+            "matmul",
+            "wgrad",
+            "dgrad",
+            "aten::mm",
+            "addmm",
+            "bmm",
+        ),
+    ),
+    ("cross_entropy", ("cross_entropy", "log_softmax", "softmax", "nll")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "l2norm", "clip")),
+    ("norm_rope_act", ("rmsnorm", "norm", "rope", "rotary", "swiglu", "silu", "gelu")),
+    ("moe_routing", ("permute", "topk", "sort", "scatter", "gather", "index", "histc", "bincount")),
+    ("copy_cast", ("copy", "cast", "convert", "fill", "zero")),
+    ("elementwise", ("elementwise", "vectorized", "reduce", "mul", "add")),
+)
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool) -> dict[str, Any]:
+    """Profiles ``n`` iterations; writes the top-kernel table to ``profile-<tag>.txt`` (and a chrome
+    trace with ``trace``) and returns the device-time breakdown by category and busy vs wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu() else [])
+    _sync()
+    t0 = time.perf_counter()
+    with profile(activities=activities, record_shapes=False) as prof:
+        for _ in range(n):
+            step()
+        _sync()
+    wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    sort_key = "self_device_time_total" if on_gpu() else "self_cpu_time_total"
+    table = averages.table(sort_by=sort_key, row_limit=40)
+    by_cat: dict[str, float] = {}
+    device_total = 0.0
+    for ev in averages:
+        t = getattr(ev, "self_device_time_total", None)
+        if t is None:
+            t = getattr(ev, "self_cuda_time_total", 0.0)
+        if not on_gpu():
+            t = ev.self_cpu_time_total
+        if t <= 0 or (on_gpu() and str(getattr(ev, "device_type", "")).endswith("CPU")):
+            continue
+        device_total += t
+        cat = categorize(ev.key)
+        by_cat[cat] = by_cat.get(cat, 0.0) + t
+    per_step_ms = {k: v / 1e3 / n for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
+    busy_ms = device_total / 1e3 / n
+    wall_ms = wall * 1e3 / n
+    summary = {
+        "steps": n,
+        "wall_ms_per_step": wall_ms,
+        "device_busy_ms_per_step": busy_ms,
+        "device_busy_fraction": busy_ms / wall_ms if wall_ms else None,
+        "device_ms_per_step_by_category": per_step_ms,
+        "note": "device time is summed kernel time (self); busy fraction well below 1 means host-bound"
+        if on_gpu()
+        else "CPU run: times are host self-time of operators",
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"== {tag}", f"wall {wall_ms:.1f} ms/step, device busy {busy_ms:.1f} ms/step"]
+    lines += [f"  {k:<16} {v:9.2f} ms/step" for k, v in per_step_ms.items()]
+    (out_dir / f"profile-{tag}.txt").write_text("\n".join(lines) + "\n\n" + table + "\n")
+    if trace:
+        prof.export_chrome_trace(str(out_dir / f"trace-{tag}.json"))
+        summary["trace"] = f"trace-{tag}.json"
+    return summary
+
+
+# ----------------------------------------------------------------------------------- megatron side
+
+
+def init_megatron(s: Settings) -> None:
+    """World size 1: gloo on CPU, NCCL on a GPU; model-parallel RNG (cuda-graph safe when needed)."""
+    import socket
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if on_gpu():
+            torch.cuda.set_device(0)
+        # a fresh port of our own (an inherited MASTER_PORT may belong to another process)
+        dist.init_process_group(
+            "nccl" if on_gpu() else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    if on_gpu():
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        kwargs = {"use_cudagraphable_rng": True} if s.cuda_graphs == "local" else {}
+        model_parallel_cuda_manual_seed(s.seed, **kwargs)
+    torch.manual_seed(s.seed)
+
+
+def megatron_overrides(s: Settings, arch) -> dict[str, Any]:
+    dtype = s.torch_dtype()
+    o: dict[str, Any] = {"params_dtype": dtype, "bf16": dtype == torch.bfloat16}
+    if on_gpu():
+        if s.gpu_fusions:
+            # Megatron-LM's defaults (twinkle's config mapping leaves them off for portability).
+            o |= {"apply_rope_fusion": True, "bias_activation_fusion": True}
+        if s.ce_fusion:
+            o |= {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": s.ce_fusion_impl}
+        if arch.is_moe:
+            o |= {"moe_grouped_gemm": True}
+        if s.cuda_graphs != "none":
+            o |= {"cuda_graph_impl": s.cuda_graphs}
+    return o | s.mcore_overrides
+
+
+def _stock_te_model(hf_dir: Path, overrides: dict[str, Any]):
+    """(a): megatron-core's own get_gpt_layer_with_transformer_engine_spec, same config as (b)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from twinkle_specs.config_mapping import transformer_config_from_hf
+    from twinkle_specs.hf_config import qwen_arch_from_hf
+    from twinkle_specs.model import padded_vocab_size
+
+    arch = qwen_arch_from_hf(hf_dir)
+    config = transformer_config_from_hf(hf_dir, **overrides)
+    spec = get_gpt_layer_with_transformer_engine_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(arch.vocab_size, ps.get_tensor_model_parallel_world_size()),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rotary_base,
+    )
+    return model.cuda(torch.cuda.current_device())
+
+
+def _require_grad_hook(_module, _inputs, output):
+    return output.requires_grad_(True) if not output.requires_grad else output
+
+
+def _count(model) -> tuple[int, int]:
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def _megatron_optimizer(s: Settings, model, config):
+    """megatron-core DDP + distributed optimizer on a GPU; torch AdamW on CPU (see module doc)."""
+    if not on_gpu():
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01)
+
+        def finish():
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return model, finish, "torch.optim.AdamW (CPU stand-in: megatron-core DDP buffers need CUDA)"
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+        ),
+        module=model,
+    )
+    dtype = s.torch_dtype()
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=s.lr,
+            weight_decay=0.01,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=True,
+            clip_grad=1.0,
+        ),
+        [ddp],
+    )
+
+    def finish():
+        ddp.finish_grad_sync()
+        opt.step()
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+
+    return ddp, finish, "megatron-core DistributedDataParallel + get_megatron_optimizer (distributed Adam)"
+
+
+def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: str) -> dict[str, Any]:
+    from twinkle_specs.hf_config import qwen_arch_from_hf
+
+    init_megatron(s)
+    arch = qwen_arch_from_hf(hf_dir)
+    overrides = megatron_overrides(s, arch)
+    result: dict[str, Any] = {}
+    if variant == "mcore_te_full":
+        model = _stock_te_model(hf_dir, overrides)
+    else:
+        import twinkle_specs as ts
+
+        lora = lora_config(s) if variant == "twinkle_lora" else None
+        model = ts.build_model(hf_dir, load_weights=False, lora=lora, **overrides)
+        if variant == "twinkle_full" and s.load and any(hf_dir.glob("*.safetensors")):
+            result["load"] = time_load(model, hf_dir)
+        if variant == "twinkle_frozen":
+            for p in model.parameters():
+                p.requires_grad_(False)
+            model.embedding.register_forward_hook(_require_grad_hook)
+    config = model.config
+    result["impl"] = config.transformer_impl
+    result["total_params"], result["trainable_params"] = _count(model)
+    result["config"] = {
+        k: getattr(config, k, None)
+        for k in (
+            "cross_entropy_loss_fusion",
+            "cross_entropy_fusion_impl",
+            "apply_rope_fusion",
+            "bias_activation_fusion",
+            "moe_grouped_gemm",
+            "moe_token_dispatcher_type",
+            "cuda_graph_impl",
+        )
+    }
+    if variant == "twinkle_frozen":
+        wrapped, finish, result["optimizer"] = model, (lambda: None), "none (nothing trainable)"
+    else:
+        wrapped, finish, result["optimizer"] = _megatron_optimizer(s, model, config)
+    model.train()
+
+    dev = _device()
+    gen = torch.Generator().manual_seed(s.seed)
+    shape = (s.micro_batch_size, s.seq_len + 1)
+    data = torch.randint(0, arch.vocab_size, shape, generator=gen).to(dev)
+    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    position_ids = torch.arange(s.seq_len, device=dev).expand_as(tokens).contiguous()
+
+    te_graphs = None
+    if on_gpu() and s.cuda_graphs == "transformer_engine":
+        from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+        te_graphs = TECudaGraphHelper(
+            model=[wrapped],
+            config=config,
+            seq_length=s.seq_len,
+            micro_batch_size=s.micro_batch_size,
+            optimizers=[],
+        )
+    local_graphs = on_gpu() and s.cuda_graphs == "local"
+
+    def step():
+        loss = wrapped(tokens, position_ids, None, labels=labels).float().mean()
+        loss.backward()
+        if local_graphs:
+            from megatron.core.transformer.cuda_graphs import create_cudagraphs
+
+            create_cudagraphs()
+        finish()
+        return loss.detach()
+
+    if te_graphs is not None:
+        for _ in range(max(s.warmup, config.cuda_graph_warmup_steps)):
+            step()
+        te_graphs.create_cudagraphs()
+        te_graphs.cuda_graph_set_manual_hooks()
+    result["step"] = "forward + backward" + (" + optimizer step" if variant != "twinkle_frozen" else "")
+    result |= time_steps(step, s.warmup, s.steps)
+    if s.profile:
+        result["profile"] = profile_steps(step, s.profile_steps, out_dir, tag, s.profile_trace)
+    return result
+
+
+def _drop_page_cache(files: list[Path]) -> bool:
+    """Asks the kernel to forget the checkpoint's cached pages (no root needed for clean pages)."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    except OSError:
+        return False
+    return True
+
+
+def time_load(model, hf_dir: Path) -> dict[str, Any]:
+    """HF safetensors -> Megatron parameters on this rank: seconds and bytes read vs checkpoint size."""
+    from twinkle_specs.loading import load_hf_weights
+
+    dropped = _drop_page_cache(sorted(hf_dir.glob("*.safetensors")))
+    _sync()
+    t0 = time.perf_counter()
+    report = load_hf_weights(model, hf_dir)
+    _sync()
+    seconds = time.perf_counter() - t0
+    return {
+        "seconds": seconds,
+        "bytes_read": report.bytes_read,
+        "checkpoint_bytes": report.checkpoint_bytes,
+        "read_fraction": report.bytes_read / report.checkpoint_bytes if report.checkpoint_bytes else None,
+        "gib_per_s": report.bytes_read / GiB / seconds if seconds else None,
+        "parameters": report.parameters,
+        "page_cache_dropped": dropped,
+        "ranks": 1,
+    }
+
+
+# ----------------------------------------------------------------------------------------- HF side
+
+
+def run_hf(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: str) -> dict[str, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(s.seed)
+    dev = _device()
+    config = AutoConfig.from_pretrained(hf_dir)
+    config.use_cache = False
+    with dev:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=s.torch_dtype())
+    result: dict[str, Any] = {"impl": f"transformers {model.config._attn_implementation}"}
+    experts = getattr(model.config, "_experts_implementation", None)
+    if experts and getattr(config, "num_experts", None):
+        result["impl"] += f", experts {experts}"
+    if variant == "hf_peft_lora":
+        import peft
+
+        model = peft.get_peft_model(
+            model,
+            peft.LoraConfig(
+                r=s.lora_r, lora_alpha=s.lora_alpha, target_modules="all-linear", lora_dropout=0.0
+            ),
+        )
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad})
+        result["adapter_dtypes"] = dtypes  # peft upcasts adapters to fp32 by default (autocast_adapter_dtype)
+    model.train()
+    result["total_params"], result["trainable_params"] = _count(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=on_gpu())
+    result["optimizer"] = "torch.optim.AdamW" + (" (fused)" if on_gpu() else "")
+    gen = torch.Generator().manual_seed(s.seed)
+    tokens = torch.randint(0, config.vocab_size, (s.micro_batch_size, s.seq_len), generator=gen).to(dev)
+
+    def step():
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    result["step"] = "forward + backward + optimizer step"
+    result |= time_steps(step, s.warmup, s.steps)
+    if s.profile:
+        result["profile"] = profile_steps(step, s.profile_steps, out_dir, tag, s.profile_trace)
+    return result
+
+
+# -------------------------------------------------------------------------------------------- entry
+
+
+def make_checkpoint(hf_dir: Path, seed: int = 0) -> dict[str, Any]:
+    """Random weights for the config in ``hf_dir``, saved as safetensors (bf16 as the config says)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.from_pretrained(hf_dir)
+    t0 = time.perf_counter()
+    with _device():
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=getattr(config, "dtype", None) or torch.float32
+        )
+    model.save_pretrained(hf_dir)
+    del model
+    files = sorted(hf_dir.glob("*.safetensors"))
+    return {"seconds": time.perf_counter() - t0, "bytes": sum(f.stat().st_size for f in files)}
+
+
+def skip_reason(variant: str) -> str | None:
+    if variant == "mcore_te_full" and not on_gpu():
+        return (
+            "needs a CUDA GPU with Transformer Engine (get_gpt_layer_with_transformer_engine_spec); "
+            "megatron-core's local spec is no CPU substitute either (its DotProductAttention needs CUDA)"
+        )
+    if variant == "mcore_te_full":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            return "Transformer Engine is not installed"
+    return None
+
+
+@dataclass
+class Task:
+    shape: str
+    variant: str
+    hf_dir: str
+    settings: Settings
+    out_dir: str
+    tag: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Task:
+        return cls(**(d | {"settings": Settings(**d["settings"])}))
+
+
+def run_task(task: Task) -> dict[str, Any]:
+    """Runs one variant; never raises (errors are recorded in the result)."""
+    s, hf_dir = task.settings, Path(task.hf_dir)
+    base: dict[str, Any] = {
+        "shape": task.shape,
+        "variant": task.variant,
+        "label": VARIANTS[task.variant],
+        "tag": task.tag,
+        "seq_len": s.seq_len,
+        "micro_batch_size": s.micro_batch_size,
+        "tokens_per_step": s.seq_len * s.micro_batch_size,
+        "dtype": s.dtype,
+        "device": torch.cuda.get_device_name() if on_gpu() else "cpu",
+    }
+    reason = skip_reason(task.variant)
+    if reason:
+        return base | {"status": "skipped", "reason": reason}
+    runner = run_hf if task.variant.startswith("hf_") else run_megatron
+    name = f"{task.shape}__{task.variant}" + (f"__{task.tag}" if task.tag else "")
+    t0 = time.perf_counter()
+    try:
+        measured = runner(task.variant, hf_dir, s, Path(task.out_dir), name)
+    except Exception as err:  # noqa: BLE001  (recorded; the other variants still run)
+        return base | {
+            "status": "error",
+            "error": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc()[-4000:],
+        }
+    finally:
+        with contextlib.suppress(Exception):
+            gc.collect()
+            if on_gpu():
+                torch.cuda.empty_cache()
+    out = base | {"status": "ok", "wall_s": time.perf_counter() - t0} | measured
+    return out | derived_metrics(out, hf_dir, s)
+
+
+def derived_metrics(r: dict[str, Any], hf_dir: Path, s: Settings) -> dict[str, Any]:
+    """tokens/s/GPU, model FLOPs, TFLOP/s and MFU from the median step time."""
+    from twinkle_specs.hf_config import qwen_arch_from_hf
+
+    arch = qwen_arch_from_hf(hf_dir)
+    mode = MODE[r["variant"]]
+    flops = step_flops(
+        arch,
+        seq_len=s.seq_len,
+        micro_batch_size=s.micro_batch_size,
+        mode=mode,
+        lora=lora_config(s) if mode == "lora" else None,
+    )
+    median = r["step_time_s"]["median"]
+    peak = peak_flops(r["device"]) if r["device"] != "cpu" else None
+    achieved = flops.total / median
+    return {
+        "tokens_per_s_per_gpu": r["tokens_per_step"] / median,
+        "model_flops": flops.as_dict(),
+        "tflops_per_s_per_gpu": achieved / 1e12,
+        "peak_flops_per_gpu": peak,
+        "mfu": achieved / peak if peak else None,
+        "losses_finite": all(math.isfinite(x) for x in r["losses"]),
+    }

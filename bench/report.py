@@ -1,0 +1,204 @@
+"""results.json -> ratios, target checks, a markdown table and a PNG plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+# name, numerator variant, denominator variant, metric, target (None: reported only)
+RATIOS = (
+    ("c_over_a_tokens_per_s", "twinkle_lora", "mcore_te_full", "tokens_per_s_per_gpu", 1.3),
+    ("c_over_d_tokens_per_s", "twinkle_lora", "hf_peft_lora", "tokens_per_s_per_gpu", 2.0),
+    ("b_over_a_tokens_per_s", "twinkle_full", "mcore_te_full", "tokens_per_s_per_gpu", 0.98),
+    ("c_over_e_peak_memory", "twinkle_lora", "twinkle_frozen", "peak_memory_gib", None),
+    ("c_over_e_step_memory", "twinkle_lora", "twinkle_frozen", "step_memory_gib", None),
+    ("c_over_a_peak_memory", "twinkle_lora", "mcore_te_full", "peak_memory_gib", None),
+    ("d_over_f_tokens_per_s", "hf_peft_lora", "hf_full", "tokens_per_s_per_gpu", None),
+)
+LORA_MEMORY_TARGET = 1.05  # (c) peak memory <= 1.05 x (e) frozen-base fwd+bwd peak
+MFU_TARGET = 0.50  # dense full fine-tune, 8B shape, H100 bf16
+
+
+def group_key(r: dict[str, Any]) -> tuple:
+    return (r["shape"], r["seq_len"], r["micro_batch_size"], r.get("tag", ""))
+
+
+def group_name(key: tuple) -> str:
+    shape, seq, mbs, tag = key
+    return f"{shape} seq{seq} mbs{mbs}" + (f" [{tag}]" if tag else "")
+
+
+def ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in results:
+        if r.get("status") == "ok":
+            groups.setdefault(group_key(r), {})[r["variant"]] = r
+    out: dict[str, dict[str, float | None]] = {}
+    for key, by_variant in groups.items():
+        row: dict[str, float | None] = {}
+        for name, num, den, metric, _ in RATIOS:
+            a, b = by_variant.get(num, {}).get(metric), by_variant.get(den, {}).get(metric)
+            row[name] = a / b if a is not None and b else None
+        out[group_name(key)] = row
+    return out
+
+
+def targets(results: list[dict[str, Any]], ratio_table: dict[str, dict]) -> list[dict[str, Any]]:
+    """Each target with the measured value and whether it is met (None: not measured in this run)."""
+    checks = []
+    for group, row in ratio_table.items():
+        for name, _, _, _, target in RATIOS:
+            if target is not None and row.get(name) is not None:
+                checks.append(
+                    {
+                        "group": group,
+                        "target": f"{name} >= {target}",
+                        "value": row[name],
+                        "met": row[name] >= target,
+                    }
+                )
+        value = row.get("c_over_e_peak_memory")
+        if value is not None:
+            checks.append(
+                {
+                    "group": group,
+                    "target": f"c_over_e_peak_memory <= {LORA_MEMORY_TARGET}",
+                    "value": value,
+                    "met": value <= LORA_MEMORY_TARGET,
+                }
+            )
+    for r in results:
+        if (
+            r.get("status") == "ok"
+            and r["shape"].startswith("qwen3-8b")
+            and r["variant"] in ("mcore_te_full", "twinkle_full")
+            and r.get("mfu") is not None
+        ):
+            checks.append(
+                {
+                    "group": group_name(group_key(r)),
+                    "target": f"{r['variant']} MFU >= {MFU_TARGET} (dense 8B shape)",
+                    "value": r["mfu"],
+                    "met": r["mfu"] >= MFU_TARGET,
+                }
+            )
+    return checks
+
+
+def summarize(doc: dict[str, Any]) -> dict[str, Any]:
+    """Adds ratios and target checks to a results document."""
+    doc["ratios"] = ratios(doc["results"])
+    doc["targets"] = targets(doc["results"], doc["ratios"])
+    return doc
+
+
+def _fmt(x: float | None, spec: str = ".2f", scale: float = 1.0) -> str:
+    return "–" if x is None else format(x * scale, spec)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    env = doc["environment"]
+    lines = [
+        "# twinkle-specs benchmark results",
+        "",
+        f"- date (UTC): {doc['date_utc']}",
+        f"- command: `{doc['command']}`",
+        f"- device: {env.get('device')} × {env.get('gpu_count', 0)} (one GPU used)"
+        if env.get("device") != "cpu"
+        else "- device: CPU (portable path; proves the harness runs, these are NOT performance results)",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items() if v is not None),
+        f"- twinkle-specs commit: {env.get('git_commit')}",
+        f"- peak FLOP/s used for MFU: {_fmt(doc.get('peak_flops_per_gpu'), '.1f', 1e-12)} TFLOP/s (dense bf16)",
+        "- every step is a complete training iteration (forward, backward, optimizer step) unless the "
+        "'step' column says otherwise; times are the median over the timed steps, spread is min–max",
+        "",
+        "## Throughput and memory",
+        "",
+        "| shape | seq | mbs | variant | impl | tokens/s/GPU | step s (median) | spread (min–max) | TFLOP/s | MFU | "
+        "peak mem GiB | step mem GiB | trainable | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["results"]:
+        head = f"| {r['shape']} | {r['seq_len']} | {r['micro_batch_size']} | {r['label']} "
+        if r.get("status") != "ok":
+            why = r.get("reason") or r.get("error", "")
+            lines.append(head + f"| – | – | – | – | – | – | – | – | – | {r.get('status')}: {why[:160]} |")
+            continue
+        t = r["step_time_s"]
+        lines.append(
+            head + f"| {r.get('impl', '')} | {r['tokens_per_s_per_gpu']:,.0f} | {t['median']:.4f} | "
+            f"{t['min']:.4f}–{t['max']:.4f} | {_fmt(r.get('tflops_per_s_per_gpu'), '.1f')} | "
+            f"{_fmt(r.get('mfu'), '.1%')} | {_fmt(r.get('peak_memory_gib'))} | "
+            f"{_fmt(r.get('step_memory_gib'))} | {r.get('trainable_params', 0):,} | ok |"
+        )
+    lines += ["", "## Ratios", "", "| group | " + " | ".join(n for n, *_ in RATIOS) + " |"]
+    lines.append("|---" * (len(RATIOS) + 1) + "|")
+    for group, row in doc["ratios"].items():
+        lines.append(f"| {group} | " + " | ".join(_fmt(row.get(n), ".3f") for n, *_ in RATIOS) + " |")
+    lines += ["", "## Targets", "", "| group | target | measured | met |", "|---|---|---|---|"]
+    for c in doc["targets"]:
+        lines.append(f"| {c['group']} | {c['target']} | {c['value']:.3f} | {'yes' if c['met'] else 'NO'} |")
+    if not doc["targets"]:
+        lines.append("| – | no target could be evaluated in this run | – | – |")
+    loads = [r for r in doc["results"] if r.get("load")]
+    if loads:
+        lines += [
+            "",
+            "## HF → Megatron load (twinkle_specs.load_hf_weights, 1 rank)",
+            "",
+            "| shape | seconds | GiB/s | bytes read | checkpoint bytes | read / checkpoint | page cache dropped |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in loads:
+            ld = r["load"]
+            lines.append(
+                f"| {r['shape']} | {ld['seconds']:.2f} | {_fmt(ld.get('gib_per_s'))} | {ld['bytes_read']:,} | "
+                f"{ld['checkpoint_bytes']:,} | {_fmt(ld.get('read_fraction'), '.3f')} | {ld['page_cache_dropped']} |"
+            )
+    profiled = [r for r in doc["results"] if r.get("profile")]
+    if profiled:
+        lines += ["", "## Profile (per step)", ""]
+        for r in profiled:
+            p = r["profile"]
+            cats = ", ".join(f"{k} {v:.1f} ms" for k, v in p["device_ms_per_step_by_category"].items())
+            lines.append(
+                f"- {r['shape']} {r['variant']}: wall {p['wall_ms_per_step']:.1f} ms, device busy "
+                f"{p['device_busy_ms_per_step']:.1f} ms ({_fmt(p.get('device_busy_fraction'), '.0%')}); {cats}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], path: Path) -> Path:
+    """Grouped bars: tokens/s/GPU (top) and peak memory (bottom) per shape and variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in doc["results"] if r.get("status") == "ok"]
+    groups = sorted({group_name(group_key(r)) for r in ok}) or ["(no results)"]
+    variants = [v for v in dict.fromkeys(r["variant"] for r in ok)]
+    fig, axes = plt.subplots(2, 1, figsize=(max(6, 2.5 * len(groups) + 3), 8))
+    width = 0.8 / max(1, len(variants))
+    for ax, metric, ylabel in (
+        (axes[0], "tokens_per_s_per_gpu", "tokens / s / GPU"),
+        (axes[1], "peak_memory_gib", "peak memory (GiB)"),
+    ):
+        for i, v in enumerate(variants):
+            ys = []
+            for g in groups:
+                match = [r for r in ok if r["variant"] == v and group_name(group_key(r)) == g]
+                ys.append((match[0].get(metric) or 0.0) if match else 0.0)
+            ax.bar([j + i * width for j in range(len(groups))], ys, width, label=v)
+        ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(groups))], groups, fontsize=8)
+        ax.set_ylabel(ylabel)
+    axes[0].legend(fontsize=8)
+    axes[0].set_title(
+        f"twinkle-specs benchmark — {doc['environment'].get('device')} — {doc['date_utc'][:10]}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,395 @@
+"""twinkle-specs benchmark: one command, all variants, same GPU (see bench/README.md).
+
+    python bench/run.py --preset quick --out /tmp/bench --export "$OUT"
+
+Each (shape, variant) runs in its own child process (clean CUDA memory statistics, megatron global
+state and CUDA-graph state); ``--in-process`` runs them in this process instead (the CPU test).
+Results merge into ``<out>/results.json`` (same shape/variant/seq/mbs/tag replaced), and
+``results.md`` and ``results.png`` are rewritten from it, so a long benchmark can be split over
+several calls that share ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import report  # noqa: E402
+from bench.shapes import SHAPES, shape_name, write_config  # noqa: E402
+
+ALL_VARIANTS = ("mcore_te_full", "twinkle_full", "twinkle_lora", "hf_peft_lora", "twinkle_frozen", "hf_full")
+DEFAULT_VARIANTS = ("mcore_te_full", "twinkle_full", "twinkle_lora", "hf_peft_lora", "twinkle_frozen")
+PRESETS = {
+    # all five variants on the 1.7B shape: ~3-5 minutes on an H100 (fits one 600 s device call)
+    "quick": {"shapes": ["qwen3-1.7b"], "warmup": 3, "steps": 10, "seq": 4096},
+    # every shape; run it over several calls (--shapes a subset per call, same --out)
+    "full": {
+        "shapes": ["qwen3-1.7b", "qwen2.5-1.5b", "qwen3-8b", "qwen3-30b-a3b"],
+        "warmup": 3,
+        "steps": 20,
+        "seq": 4096,
+    },
+    # CPU test
+    "tiny": {"shapes": ["tiny-qwen3"], "warmup": 1, "steps": 2, "seq": 64},
+}
+EXPORT_FILES = ("results.json", "results.md", "results.png", "run.log", "profile.txt")
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _literal(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="quick")
+    ap.add_argument("--shapes", type=_csv, help=f"comma-separated, from {', '.join(SHAPES)}")
+    ap.add_argument("--layers", type=_csv, default=[], help="SHAPE=N overrides of the layer count")
+    ap.add_argument(
+        "--variants", type=_csv, default=list(DEFAULT_VARIANTS), help=f"from {', '.join(ALL_VARIANTS)}"
+    )
+    ap.add_argument("--seq", type=int, help="sequence length (preset: 4096)")
+    ap.add_argument("--mbs", type=int, default=1, help="micro-batch size (sequences per step)")
+    ap.add_argument("--warmup", type=int, help="untimed iterations before timing")
+    ap.add_argument("--steps", type=int, help="timed iterations")
+    ap.add_argument(
+        "--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU"
+    )
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--lora-alpha", type=float, default=32.0)
+    ap.add_argument("--no-ce-fusion", action="store_true", help="megatron: unfused vocab-parallel CE")
+    ap.add_argument("--ce-impl", choices=["te", "native"], default="te", help="fused CE implementation")
+    ap.add_argument(
+        "--cuda-graphs",
+        choices=["none", "local", "transformer_engine"],
+        default="none",
+        help="megatron-core cuda_graph_impl (per-layer graphs; experimental here)",
+    )
+    ap.add_argument("--no-gpu-fusions", action="store_true", help="megatron: no rope/swiglu fusions")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="extra megatron TransformerConfig field (JSON value), e.g. --set moe_permute_fusion=true",
+    )
+    ap.add_argument("--no-load", action="store_true", help="skip writing/loading the HF checkpoint")
+    ap.add_argument("--profile", action="store_true", help="torch profiler after timing: profile.txt")
+    ap.add_argument("--profile-trace", action="store_true", help="with --profile: chrome traces too")
+    ap.add_argument("--tag", default="", help="label of this configuration (kept apart in ratios)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "latest")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/twinkle-bench"), help="configs and checkpoints")
+    ap.add_argument("--export", type=Path, help="copy results.{json,md,png}, run.log, profile.txt here")
+    ap.add_argument("--fresh", action="store_true", help="do not merge with an existing results.json")
+    ap.add_argument("--in-process", action="store_true", help="run variants in this process")
+    ap.add_argument("--variant-timeout", type=int, default=420, help="seconds per child process")
+    ap.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="RESULTS_JSON",
+        help="with --report-only: merge these results.json files (later ones win) into --out first",
+    )
+    ap.add_argument("--child", nargs=2, metavar=("TASK_JSON", "RESULT_JSON"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    preset = PRESETS[args.preset]
+    args.shapes = args.shapes or preset["shapes"]
+    args.seq = args.seq or preset["seq"]
+    args.warmup = preset["warmup"] if args.warmup is None else args.warmup
+    args.steps = args.steps or preset["steps"]
+    for v in args.variants:
+        if v not in ALL_VARIANTS:
+            ap.error(f"unknown variant {v!r}; choose from {', '.join(ALL_VARIANTS)}")
+    for s in args.shapes:
+        if s not in SHAPES:
+            ap.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+    return args
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("torch", "megatron-core", "transformer-engine", "transformers", "peft", "twinkle-specs"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    if out["transformer-engine"] is None:
+        try:
+            import transformer_engine
+
+            out["transformer-engine"] = getattr(transformer_engine, "__version__", "present")
+        except ImportError:
+            pass
+    return out
+
+
+def environment(in_process: bool) -> dict:
+    import torch
+
+    env: dict = {"hostname": platform.node(), "versions": _versions(), "cuda": torch.version.cuda}
+    gpus: list[str] = []
+    if shutil.which("nvidia-smi"):
+        proc = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        gpus = [g.strip() for g in proc.stdout.splitlines() if g.strip()]
+    if not gpus and in_process and torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    env["device"] = gpus[0] if gpus else "cpu"
+    env["gpu_count"] = len(gpus)
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "twinkle_specs", "bench", "patches"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        env["git_commit"] = commit + (" (modified)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        env["git_commit"] = None
+    return env
+
+
+def _layers(args) -> dict[str, int]:
+    out = {}
+    for item in args.layers:
+        shape, _, n = item.partition("=")
+        out[shape] = int(n)
+    return out
+
+
+def _settings(args, on_gpu: bool):
+    from bench.harness import Settings
+
+    return Settings(
+        seq_len=args.seq,
+        micro_batch_size=args.mbs,
+        warmup=args.warmup,
+        steps=args.steps,
+        dtype=args.dtype or ("bf16" if on_gpu else "fp32"),
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        ce_fusion=not args.no_ce_fusion,
+        ce_fusion_impl=args.ce_impl,
+        cuda_graphs=args.cuda_graphs,
+        gpu_fusions=not args.no_gpu_fusions,
+        mcore_overrides={k: _literal(v) for k, _, v in (o.partition("=") for o in args.overrides)},
+        load=not args.no_load,
+        profile=args.profile,
+        profile_trace=args.profile_trace,
+    )
+
+
+def _child_main(task_json: str, result_json: str) -> int:
+    from bench.harness import Task, make_checkpoint, run_task
+
+    task = json.loads(Path(task_json).read_text())
+    if task.get("kind") == "checkpoint":
+        result = make_checkpoint(Path(task["hf_dir"]))
+    else:
+        result = run_task(Task.from_dict(task))
+    Path(result_json).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+def _run_child(payload: dict, name: str, args, log) -> dict:
+    """Runs one task in a fresh interpreter; its output goes to the log."""
+    tmp = args.out / "tasks"
+    tmp.mkdir(parents=True, exist_ok=True)
+    task_file, result_file = tmp / f"{name}.task.json", tmp / f"{name}.result.json"
+    task_file.write_text(json.dumps(payload, default=str))
+    result_file.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(task_file), str(result_file)]
+    log.write(f"\n===== {name}: {' '.join(cmd)}\n")
+    log.flush()
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.variant_timeout
+        )
+        output, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as err:
+        output, rc = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), -9
+        output += f"\n[timed out after {args.variant_timeout} s]"
+    log.write(_tail_lines(output, 200))
+    log.flush()
+    if result_file.exists():
+        return json.loads(result_file.read_text())
+    return {
+        "status": "error",
+        "error": f"child process exited {rc} after {time.perf_counter() - t0:.0f} s without a result",
+        "log_tail": output[-3000:],
+    }
+
+
+def _tail_lines(text: str, n: int) -> str:
+    lines = [ln for ln in text.splitlines() if "warnings.warn" not in ln and "UserWarning" not in ln]
+    return "\n".join(lines[-n:]) + "\n"
+
+
+def _key(r: dict) -> tuple:
+    return (r.get("shape"), r.get("variant"), r.get("seq_len"), r.get("micro_batch_size"), r.get("tag", ""))
+
+
+def _load_previous(out: Path, fresh: bool) -> list[dict]:
+    path = out / "results.json"
+    if fresh or not path.exists():
+        return []
+    try:
+        return json.loads(path.read_text()).get("results", [])
+    except (json.JSONDecodeError, OSError):
+        return []
+
+
+def write_outputs(doc: dict, out: Path) -> None:
+    report.summarize(doc)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / "results.md").write_text(report.markdown(doc))
+    report.plot(doc, out / "results.png")
+    profiles = sorted(out.glob("profile-*.txt"))
+    if profiles:
+        (out / "profile.txt").write_text("\n".join(p.read_text() for p in profiles))
+
+
+def export(out: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in EXPORT_FILES:
+        if (out / name).exists():
+            shutil.copy2(out / name, dest / name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return _child_main(*args.child)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        sources = ([args.out / "results.json"] if (args.out / "results.json").exists() else []) + args.merge
+        if not sources:
+            raise SystemExit(f"--report-only: no {args.out / 'results.json'} and nothing to --merge")
+        doc = json.loads(sources[0].read_text())
+        merged = {_key(r): r for src in sources for r in json.loads(src.read_text())["results"]}
+        doc["results"] = list(merged.values())
+        devices = {json.loads(src.read_text())["environment"].get("device") for src in sources}
+        if len(devices) > 1:
+            print(f"[bench] warning: merged results come from different devices: {sorted(devices)}")
+            doc["environment"]["device"] = " / ".join(sorted(d for d in devices if d))
+        write_outputs(doc, args.out)
+        if args.export:
+            export(args.out, args.export)
+        print((args.out / "results.md").read_text())
+        return 0
+
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    settings = _settings(args, on_gpu)
+    layers = _layers(args)
+    command = "python bench/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    doc = {
+        "schema_version": report.SCHEMA_VERSION,
+        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": command,
+        "environment": environment(args.in_process),
+        "settings": settings.__dict__,
+        "flop_formula": {
+            "full": "6*N*T + 3*A",
+            "lora": "4*N*T + 6*N_lora*T + 3*A",
+            "frozen": "4*N*T + 3*A",
+            "A": "2 * layers * seq_len * heads * head_dim * T (causal attention core, forward)",
+            "N": "matmul weights per token incl. output layer; MoE: router + top-k experts (+ shared)",
+        },
+    }
+    from bench.flops import peak_flops
+
+    doc["peak_flops_per_gpu"] = peak_flops(doc["environment"]["device"]) if on_gpu else None
+    previous = _load_previous(args.out, args.fresh)
+    fresh_results: list[dict] = []
+    with open(args.out / "run.log", "a") as log:
+        log.write(f"\n##### {doc['date_utc']} {command}\n")
+        for shape in args.shapes:
+            name = shape_name(shape, layers.get(shape))
+            hf_dir = write_config(shape, layers.get(shape), args.work / name)
+            needs_ckpt = settings.load and "twinkle_full" in args.variants
+            if needs_ckpt and not any(hf_dir.glob("*.safetensors")):
+                print(f"[bench] {name}: writing a random-weight HF checkpoint to {hf_dir}", flush=True)
+                payload = {"kind": "checkpoint", "hf_dir": str(hf_dir)}
+                if args.in_process:
+                    from bench.harness import make_checkpoint
+
+                    info = make_checkpoint(hf_dir)
+                else:
+                    info = _run_child(payload, f"{name}__checkpoint", args, log)
+                print(f"[bench] {name}: checkpoint {info}", flush=True)
+            for variant in args.variants:
+                from bench.harness import Task
+
+                task = Task(name, variant, str(hf_dir), settings, str(args.out), args.tag)
+                tag = f"{name}__{variant}" + (f"__{args.tag}" if args.tag else "")
+                print(f"[bench] {tag} ...", flush=True)
+                if args.in_process:
+                    from bench.harness import run_task
+
+                    result = run_task(task)
+                else:
+                    result = _run_child(task.as_dict(), tag, args, log)
+                    result.setdefault("shape", name)
+                    result.setdefault("variant", variant)
+                    result.setdefault("label", variant)
+                    result.setdefault("seq_len", settings.seq_len)
+                    result.setdefault("micro_batch_size", settings.micro_batch_size)
+                    result.setdefault("tag", args.tag)
+                fresh_results.append(result)
+                print(f"[bench] {tag}: {_one_line(result)}", flush=True)
+                log.write(f"[bench] {tag}: {_one_line(result)}\n")
+                log.flush()
+                # write after every variant: a call cut short still leaves what it measured
+                keys = {_key(r) for r in fresh_results}
+                doc["results"] = [r for r in previous if _key(r) not in keys] + fresh_results
+                write_outputs(doc, args.out)
+                if args.export:
+                    export(args.out, args.export)
+    print((args.out / "results.md").read_text(), flush=True)
+    return 0
+
+
+def _one_line(r: dict) -> str:
+    if r.get("status") != "ok":
+        return f"{r.get('status')}: {r.get('reason') or r.get('error')}"
+    mfu = r.get("mfu")
+    mem = r.get("peak_memory_gib")
+    return (
+        f"{r['tokens_per_s_per_gpu']:,.0f} tok/s, step {r['step_time_s']['median'] * 1e3:.1f} ms "
+        f"(min {r['step_time_s']['min'] * 1e3:.1f}, max {r['step_time_s']['max'] * 1e3:.1f})"
+        + (f", MFU {mfu:.1%}" if mfu is not None else "")
+        + (f", peak {mem:.2f} GiB" if mem is not None else "")
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""The benchmark harness (bench/) end to end on CPU at tiny shapes, and its FLOP formula by hand.
+
+On CPU this proves the harness works (JSON schema, markdown, PNG, load report); the numbers are not
+performance results. The GPU test runs the same harness on the device machine (TE spec included).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import report  # noqa: E402
+from bench.flops import peak_flops, step_flops  # noqa: E402
+from bench.run import EXPORT_FILES, main  # noqa: E402
+from twinkle_specs.hf_config import QwenArch  # noqa: E402
+from twinkle_specs.lora import LoraConfig  # noqa: E402
+
+RESULT_KEYS = {
+    "shape",
+    "variant",
+    "label",
+    "status",
+    "seq_len",
+    "micro_batch_size",
+    "tokens_per_step",
+    "device",
+    "impl",
+    "optimizer",
+    "step",
+    "step_time_s",
+    "timed_wall_s",
+    "losses",
+    "tokens_per_s_per_gpu",
+    "model_flops",
+    "tflops_per_s_per_gpu",
+    "mfu",
+    "total_params",
+    "trainable_params",
+    "losses_finite",
+}
+SPREAD_KEYS = {"median", "mean", "min", "max", "p10", "p90", "std", "all"}
+
+
+def _arch(**kw) -> QwenArch:
+    base = dict(
+        architecture="Qwen3ForCausalLM",
+        family="qwen3",
+        num_layers=2,
+        hidden_size=8,
+        ffn_hidden_size=16,
+        num_attention_heads=2,
+        num_query_groups=1,
+        kv_channels=4,
+        norm_epsilon=1e-6,
+        vocab_size=32,
+        max_position_embeddings=64,
+        rotary_base=10000.0,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        qk_layernorm=True,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        dtype=None,
+    )
+    return QwenArch(**(base | kw))
+
+
+def test_flops_dense_by_hand():
+    # per layer: q 8x8, k 8x4, v 8x4, o 8x8 -> 192; MLP 3 * 8 * 16 = 384; output layer 8 * 32 = 256
+    # N = 2 * (192 + 384) + 256 = 1408; A = 2 * L * S * heads * head_dim * T = 2*2*10*2*4*10 = 3200
+    a = _arch()
+    full = step_flops(a, seq_len=10, micro_batch_size=1, mode="full")
+    assert full.matmul_weights == 1408
+    assert full.attention_forward == 3200
+    assert full.total == 6 * 1408 * 10 + 3 * 3200 == 94080
+    # LoRA r=2 all-linear, per layer r*(in+out): q 2*16, k 2*12, v 2*12, o 2*16, gate 2*24, up 2*24,
+    # down 2*24 = 256; two layers -> 512
+    lora = step_flops(
+        a, seq_len=10, micro_batch_size=1, mode="lora", lora=LoraConfig(r=2, target_modules="all-linear")
+    )
+    assert lora.adapter_weights == 512
+    assert lora.total == 4 * 1408 * 10 + 6 * 512 * 10 + 3 * 3200 == 96640
+    frozen = step_flops(a, seq_len=10, micro_batch_size=1, mode="frozen")
+    assert frozen.total == 4 * 1408 * 10 + 3 * 3200 == 65920
+    # micro-batch 2: twice the tokens, same per-token attention
+    assert step_flops(a, seq_len=10, micro_batch_size=2, mode="full").total == 2 * 94080
+    # only q_proj, v_proj (peft's default targets): 2*16 + 2*12 per layer
+    qv = step_flops(a, seq_len=10, micro_batch_size=1, mode="lora", lora=LoraConfig(r=2))
+    assert qv.adapter_weights == 2 * (32 + 24)
+
+
+def test_flops_moe_by_hand():
+    # Qwen3-MoE, 1 layer, 4 experts of 6, top-2. N per layer: attention 192, router 8*4 = 32, two active
+    # experts 2 * 3 * 8 * 6 = 288 -> 512; plus output layer 256 -> 768. A = 2*1*10*2*4*10 = 1600.
+    a = _arch(
+        architecture="Qwen3MoeForCausalLM",
+        family="qwen3_moe",
+        num_layers=1,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=6,
+    )
+    full = step_flops(a, seq_len=10, micro_batch_size=1, mode="full")
+    assert full.matmul_weights == 768
+    assert full.total == 6 * 768 * 10 + 3 * 1600
+    # all-linear on Qwen3-MoE (as peft): attention 32+24+24+32 = 112; experts' gate_up at rank 2r = 4,
+    # used top-2 times: 2 * 4 * (8 + 12) = 160; down (r=2): 2 * 2 * (6 + 8) = 56; router 2 * (8 + 4) = 24
+    lora = step_flops(
+        a, seq_len=10, micro_batch_size=1, mode="lora", lora=LoraConfig(r=2, target_modules="all-linear")
+    )
+    assert lora.adapter_weights == 112 + 160 + 56 + 24
+    assert lora.total == 4 * 768 * 10 + 6 * 352 * 10 + 3 * 1600 == 56640
+
+
+def test_flops_real_shape_matches_known_mfu():
+    # The H100 measurement in the issue: Qwen3-1.7B, seq 4096, 32.1k tok/s full fwd+bwd was 38% MFU.
+    from bench.shapes import hf_config
+
+    cfg = hf_config("qwen3-1.7b")
+    a = _arch(
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads,
+        kv_channels=cfg.head_dim,
+        vocab_size=cfg.vocab_size,
+    )
+    f = step_flops(a, seq_len=4096, micro_batch_size=1, mode="full")
+    mfu = f.total / f.tokens * 32.1e3 / peak_flops("NVIDIA H100 80GB HBM3")
+    assert 0.37 < mfu < 0.39
+
+
+def test_peak_flops_lookup():
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H200") == 989.4e12
+    assert peak_flops("cpu") is None and peak_flops(None) is None
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def _check_ok_result(r: dict) -> None:
+    missing = RESULT_KEYS - set(r)
+    assert not missing, (r["variant"], missing)
+    assert set(r["step_time_s"]) == SPREAD_KEYS
+    t = r["step_time_s"]
+    assert len(t["all"]) == 2 and t["min"] <= t["median"] <= t["max"] and t["min"] > 0
+    assert r["tokens_per_step"] == r["seq_len"] * r["micro_batch_size"]
+    assert math.isclose(r["tokens_per_s_per_gpu"], r["tokens_per_step"] / t["median"])
+    assert r["losses_finite"] and len(r["losses"]) == 1 + 2  # warm-up + timed
+    flops = r["model_flops"]
+    assert math.isclose(r["tflops_per_s_per_gpu"], flops["total"] / t["median"] / 1e12)
+    assert r["mfu"] is None  # no peak for a CPU
+    expected_mode = {"twinkle_lora": "lora", "hf_peft_lora": "lora", "twinkle_frozen": "frozen"}
+    assert flops["mode"] == expected_mode.get(r["variant"], "full")
+    if flops["mode"] == "lora":
+        assert 0 < r["trainable_params"] < r["total_params"]
+    if r["variant"] == "twinkle_frozen":
+        assert r["trainable_params"] == 0 and r["optimizer"].startswith("none")
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    pytest.importorskip("matplotlib")  # the `bench` extra
+    out = tmp_path_factory.mktemp("bench-out")
+    work = tmp_path_factory.mktemp("bench-work")
+    export = tmp_path_factory.mktemp("bench-export")
+    variants = "mcore_te_full,twinkle_full,twinkle_lora,hf_peft_lora,twinkle_frozen,hf_full"
+    argv = ["--preset", "tiny", "--in-process", "--out", str(out), "--work", str(work)]
+    argv += ["--variants", variants, "--profile", "--export", str(export)]
+    assert main(argv) == 0
+    return out, export, json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU proof; the GPU test covers the device")
+def test_cpu_end_to_end_schema(cpu_run):
+    out, export, doc = cpu_run
+    assert doc["schema_version"] == report.SCHEMA_VERSION
+    for key in (
+        "date_utc",
+        "command",
+        "environment",
+        "settings",
+        "flop_formula",
+        "results",
+        "ratios",
+        "targets",
+    ):
+        assert key in doc, key
+    assert doc["environment"]["device"] == "cpu"
+    assert doc["environment"]["versions"]["megatron-core"]
+    assert doc["command"].startswith("python bench/run.py --preset tiny")
+    by_variant = {r["variant"]: r for r in doc["results"]}
+    assert set(by_variant) == {
+        "mcore_te_full",
+        "twinkle_full",
+        "twinkle_lora",
+        "hf_peft_lora",
+        "twinkle_frozen",
+        "hf_full",
+    }
+    stock = by_variant.pop("mcore_te_full")
+    assert stock["status"] == "skipped" and "CUDA" in stock["reason"]
+    for r in by_variant.values():
+        assert r["status"] == "ok", r.get("traceback") or r
+        _check_ok_result(r)
+        assert "profile" in r and r["profile"]["steps"] == 2
+    assert by_variant["twinkle_full"]["impl"] == "local"
+    assert by_variant["twinkle_lora"]["trainable_params"] == by_variant["hf_peft_lora"]["trainable_params"]
+    load = by_variant["twinkle_full"]["load"]
+    assert 0 < load["bytes_read"] <= load["checkpoint_bytes"]
+    assert 0.9 < load["read_fraction"] <= 1.0 and load["seconds"] > 0
+    ratios = doc["ratios"]["tiny-qwen3 seq64 mbs1"]
+    c, d = by_variant["twinkle_lora"], by_variant["hf_peft_lora"]
+    assert math.isclose(
+        ratios["c_over_d_tokens_per_s"], c["tokens_per_s_per_gpu"] / d["tokens_per_s_per_gpu"]
+    )
+    assert ratios["c_over_a_tokens_per_s"] is None  # (a) skipped on CPU
+    for name in EXPORT_FILES:
+        assert (export / name).is_file(), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU proof; the GPU test covers the device")
+def test_cpu_markdown_and_png(cpu_run):
+    out, _, doc = cpu_run
+    md = (out / "results.md").read_text()
+    assert "NOT performance results" in md
+    table = [ln for ln in md.splitlines() if ln.startswith("| tiny-qwen3 | 64 | 1 |")]
+    assert len(table) == len(doc["results"]) == 6
+    assert sum("| ok |" in ln for ln in table) == 5 and sum("skipped" in ln for ln in table) == 1
+    header = next(ln for ln in md.splitlines() if ln.startswith("| shape |"))
+    assert all(len(ln.split("|")) == len(header.split("|")) for ln in table)
+    assert "## HF → Megatron load" in md and "## Ratios" in md and "## Profile (per step)" in md
+    width, height = _png_size(out / "results.png")
+    assert width > 300 and height > 300
+    assert "profile-tiny-qwen3__twinkle_lora.txt" in {p.name for p in out.iterdir()}
+    assert "== tiny-qwen3__twinkle_lora" in (out / "profile.txt").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU proof; the GPU test covers the device")
+def test_cpu_merge_and_report_only(cpu_run, tmp_path):
+    out, _, doc = cpu_run
+    # a second call with the same --out replaces its own entries and keeps the others
+    argv = ["--preset", "tiny", "--in-process", "--out", str(out), "--work", str(tmp_path / "w")]
+    assert main(argv + ["--variants", "twinkle_frozen", "--no-load"]) == 0
+    merged = json.loads((out / "results.json").read_text())
+    assert len(merged["results"]) == len(doc["results"])
+    frozen = [r for r in merged["results"] if r["variant"] == "twinkle_frozen"]
+    before = next(r for r in doc["results"] if r["variant"] == "twinkle_frozen")
+    assert len(frozen) == 1 and frozen[0]["timed_wall_s"] != before["timed_wall_s"]  # the new measurement
+    assert merged["command"].endswith("--variants twinkle_frozen --no-load")
+    # --report-only --merge folds another results.json in
+    other = tmp_path / "other.json"
+    extra = dict(frozen[0], tag="mbs-sweep")
+    other.write_text(json.dumps(dict(merged, results=[extra])))
+    assert main(["--report-only", "--out", str(out), "--merge", str(other)]) == 0
+    final = json.loads((out / "results.json").read_text())
+    assert len(final["results"]) == len(doc["results"]) + 1
+    assert "[mbs-sweep]" in (out / "results.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU proof; the GPU test covers the device")
+def test_cpu_child_process_moe(tmp_path):
+    """The default mode (one child process per variant, as on the GPU) on the tiny MoE shape."""
+    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--preset", "tiny", "--shapes", "tiny-qwen3-moe"]
+    cmd += ["--variants", "twinkle_lora", "--no-load", "--out", str(tmp_path / "o"), "--work", str(tmp_path)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={"CUDA_VISIBLE_DEVICES": ""} | _env()
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "o" / "results.json").read_text())
+    (r,) = doc["results"]
+    assert r["status"] == "ok", r
+    _check_ok_result(r)
+    assert r["model_flops"]["adapter_weights"] > 0
+    assert "(c) twinkle_specs LoRA" in (tmp_path / "o" / "results.md").read_text()
+
+
+def _env() -> dict:
+    import os
+
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def test_report_ratios_and_targets():
+    """Ratios and target checks on made-up numbers (independent of any run)."""
+
+    def res(variant, tok, mem, shape="qwen3-8b", mfu=None):
+        return {
+            "shape": shape,
+            "variant": variant,
+            "status": "ok",
+            "seq_len": 4096,
+            "micro_batch_size": 1,
+            "tag": "",
+            "tokens_per_s_per_gpu": tok,
+            "peak_memory_gib": mem,
+            "step_memory_gib": mem / 2,
+            "mfu": mfu,
+        }
+
+    results = [
+        res("mcore_te_full", 100.0, 60.0, mfu=0.52),
+        res("twinkle_full", 97.0, 60.0, mfu=0.49),
+        res("twinkle_lora", 140.0, 21.0),
+        res("hf_peft_lora", 60.0, 30.0),
+        res("twinkle_frozen", 150.0, 20.0),
+    ]
+    doc = report.summarize({"results": results})
+    row = doc["ratios"]["qwen3-8b seq4096 mbs1"]
+    assert row["c_over_a_tokens_per_s"] == pytest.approx(1.4)
+    assert row["b_over_a_tokens_per_s"] == pytest.approx(0.97)
+    assert row["c_over_e_peak_memory"] == pytest.approx(1.05)
+    met = {c["target"]: c["met"] for c in doc["targets"]}
+    assert met["c_over_a_tokens_per_s >= 1.3"] is True
+    assert met["c_over_d_tokens_per_s >= 2.0"] is True
+    assert met["b_over_a_tokens_per_s >= 0.98"] is False
+    assert met["c_over_e_peak_memory <= 1.05"] is True
+    assert met["mcore_te_full MFU >= 0.5 (dense 8B shape)"] is True
+    assert met["twinkle_full MFU >= 0.5 (dense 8B shape)"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine")
+def test_gpu_harness_small(tmp_path):
+    """All variants through the default child-process mode on the GPU, at a small shape."""
+    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--preset", "tiny", "--seq", "256"]
+    cmd += ["--shapes", "tiny-qwen3,tiny-qwen3-moe", "--out", str(tmp_path / "o"), "--work", str(tmp_path)]
+    cmd += ["--variants", "mcore_te_full,twinkle_full,twinkle_lora,hf_peft_lora,twinkle_frozen", "--profile"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "o" / "results.json").read_text())
+    for r in doc["results"]:
+        assert r["status"] == "ok", (r["shape"], r["variant"], r.get("error"), r.get("traceback"))
+        assert r["peak_memory_gib"] > 0 and r["mfu"] is not None
+        if not r["variant"].startswith("hf_"):
+            assert r["impl"] == "transformer_engine"
+        if r["variant"] not in ("twinkle_frozen",) and not r["variant"].startswith("hf_"):
+            assert r["optimizer"].startswith("megatron-core DistributedDataParallel")
