@@ -76,3 +76,17 @@ def test_tied_embedding_patch_runs_upstream_on_host_and_restores_tensor_cuda():
     finally:
         LanguageModule.setup_embeddings_and_output_layer = patched
     assert fake.seen.device.type == "cpu" and torch.Tensor.cuda is cuda
+
+
+def test_collectives_allocate_on_host_only_inside_megatron_mappings():
+    """The EP=2 / MoE TP=2 layouts in test_parity run through these gathers on gloo."""
+    from megatron.core import utils
+    from megatron.core.tensor_parallel import mappings
+    from twinkle_specs.patches import collectives_on_host
+
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        torch.cuda.current_device()  # what upstream's allocations call
+    assert mappings.torch.cuda.current_device() == "cpu" and utils.torch.cuda.current_device() == "cpu"
+    assert mappings.torch.empty(2, device=mappings.torch.cuda.current_device()).device.type == "cpu"
+    assert mappings.torch.distributed is torch.distributed and torch.cuda.current_device is not None
+    assert isinstance(mappings.torch, collectives_on_host._TorchOnHost)
