@@ -274,10 +274,8 @@ def _slot_out_sizes(site: str, output_size: int, config: Any) -> dict[str, int]:
     return sizes
 
 
-class LoraColumnParallelLinear(LoraLayerMixin, ColumnParallelLinear):
-    """Portable ColumnParallelLinear (linear_qkv, linear_fc1) with LoRA."""
-
-    lora_parallel = "column"
+class LoraLinearMixin(LoraLayerMixin):
+    """A (portable or TE) linear returning ``(out, bias)`` with the adapters added to ``out``."""
 
     def __init__(
         self,
@@ -305,35 +303,16 @@ class LoraColumnParallelLinear(LoraLayerMixin, ColumnParallelLinear):
         return self._lora_add(out, input_), bias
 
 
-class LoraRowParallelLinear(LoraLayerMixin, RowParallelLinear):
+class LoraColumnParallelLinear(LoraLinearMixin, ColumnParallelLinear):
+    """Portable ColumnParallelLinear (linear_qkv, linear_fc1) with LoRA."""
+
+    lora_parallel = "column"
+
+
+class LoraRowParallelLinear(LoraLinearMixin, RowParallelLinear):
     """Portable RowParallelLinear (linear_proj, linear_fc2) with LoRA."""
 
     lora_parallel = "row"
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        *,
-        lora_site: str,
-        lora_slots: dict,
-        lora_dropout: float,
-        **kwargs: Any,
-    ):
-        super().__init__(input_size, output_size, **kwargs)
-        self._init_lora(
-            input_size=input_size,
-            output_size=output_size,
-            site=lora_site,
-            slots=lora_slots,
-            dropout=lora_dropout,
-            config=kwargs["config"],
-            is_expert=kwargs.get("is_expert", False),
-        )
-
-    def forward(self, input_: torch.Tensor):
-        out, bias = super().forward(input_)
-        return self._lora_add(out, input_), bias
 
 
 class LoraTopKRouter(LoraLayerMixin, TopKRouter):

@@ -21,37 +21,10 @@ from megatron.core.extensions.transformer_engine import (
     TERowParallelLinear,
 )
 
-from .layers import LoraLayerMixin
+from .layers import LoraLayerMixin, LoraLinearMixin
 
 
-class _LoraTELinear(LoraLayerMixin):
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        *,
-        lora_site: str,
-        lora_slots: dict,
-        lora_dropout: float,
-        **kwargs: Any,
-    ):
-        super().__init__(input_size, output_size, **kwargs)
-        self._init_lora(
-            input_size=input_size,
-            output_size=output_size,
-            site=lora_site,
-            slots=lora_slots,
-            dropout=lora_dropout,
-            config=kwargs["config"],
-            is_expert=kwargs.get("is_expert", False),
-        )
-
-    def forward(self, x: torch.Tensor):
-        out, bias = super().forward(x)
-        return self._lora_add(out, x), bias
-
-
-class LoraTELayerNormColumnParallelLinear(_LoraTELinear, TELayerNormColumnParallelLinear):
+class LoraTELayerNormColumnParallelLinear(LoraLinearMixin, TELayerNormColumnParallelLinear):
     """TE norm-fused column-parallel linear (linear_qkv, dense linear_fc1); the adapter sees norm(x)."""
 
     lora_parallel = "column"
@@ -67,13 +40,13 @@ class LoraTELayerNormColumnParallelLinear(_LoraTELinear, TELayerNormColumnParall
         return F.rms_norm(x.float(), (x.shape[-1],), weight, config.layernorm_epsilon).to(x.dtype)
 
 
-class LoraTEColumnParallelLinear(_LoraTELinear, TEColumnParallelLinear):
+class LoraTEColumnParallelLinear(LoraLinearMixin, TEColumnParallelLinear):
     """TE column-parallel linear (shared/sequential experts' linear_fc1, MoE-layer linear_qkv)."""
 
     lora_parallel = "column"
 
 
-class LoraTERowParallelLinear(_LoraTELinear, TERowParallelLinear):
+class LoraTERowParallelLinear(LoraLinearMixin, TERowParallelLinear):
     """TE row-parallel linear (linear_proj, linear_fc2)."""
 
     lora_parallel = "row"
