@@ -4,13 +4,13 @@ megatron parallel state for in-process tests and a gloo launcher for multi-rank 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 VOCAB = 128
 _COMMON = dict(
@@ -134,12 +134,6 @@ def single_rank():
     ps.initialize_model_parallel(1, 1)
     yield
     ps.destroy_model_parallel()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(nproc: int, script: Path, *args: str, timeout: int = 240) -> str:
