@@ -392,8 +392,11 @@ def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: st
 
         lora = lora_config(s) if variant == "twinkle_lora" else None
         model = ts.build_model(hf_dir, load_weights=False, lora=lora, **overrides)
-        if variant == "twinkle_full" and s.load and any(hf_dir.glob("*.safetensors")):
-            result["load"] = time_load(model, hf_dir)
+        if variant == "twinkle_full" and s.load:
+            if any(hf_dir.glob("*.safetensors")):
+                result["load"] = time_load(model, hf_dir)
+            else:
+                result["load_note"] = f"no safetensors checkpoint in {hf_dir}: load not measured"
         if variant == "twinkle_frozen":
             for p in model.parameters():
                 p.requires_grad_(False)

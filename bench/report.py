@@ -113,6 +113,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"- peak FLOP/s used for MFU: {_fmt(doc.get('peak_flops_per_gpu'), '.1f', 1e-12)} TFLOP/s (dense bf16)",
         "- every step is a complete training iteration (forward, backward, optimizer step) unless the "
         "'step' column says otherwise; times are the median over the timed steps, spread is min–max",
+        *([f"- plot: {doc['plot_missing']}"] if doc.get("plot_missing") else []),
         "",
         "## Throughput and memory",
         "",

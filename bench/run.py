@@ -100,7 +100,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--export", type=Path, help="copy results.{json,md,png}, run.log, profile.txt here")
     ap.add_argument("--fresh", action="store_true", help="do not merge with an existing results.json")
     ap.add_argument("--in-process", action="store_true", help="run variants in this process")
-    ap.add_argument("--variant-timeout", type=int, default=420, help="seconds per child process")
+    ap.add_argument("--variant-timeout", type=int, default=300, help="seconds per child process")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="wall-time budget of this call: children are cut to fit, later ones skipped (results kept)",
+    )
     ap.add_argument("--report-only", action="store_true", help="re-render results.md/png from results.json")
     ap.add_argument(
         "--merge",
@@ -218,6 +225,15 @@ def _child_main(task_json: str, result_json: str) -> int:
 
 def _run_child(payload: dict, name: str, args, log) -> dict:
     """Runs one task in a fresh interpreter; its output goes to the log."""
+    timeout = args.variant_timeout
+    if args.budget is not None:
+        left = args.budget - (time.monotonic() - args.started)
+        if left < 30:
+            return {
+                "status": "skipped",
+                "reason": f"--budget {args.budget:.0f} s used up before this variant",
+            }
+        timeout = min(timeout, left - 10)
     tmp = args.out / "tasks"
     tmp.mkdir(parents=True, exist_ok=True)
     task_file, result_file = tmp / f"{name}.task.json", tmp / f"{name}.result.json"
@@ -229,12 +245,12 @@ def _run_child(payload: dict, name: str, args, log) -> dict:
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.variant_timeout
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
         )
         output, rc = proc.stdout, proc.returncode
     except subprocess.TimeoutExpired as err:
         output, rc = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), -9
-        output += f"\n[timed out after {args.variant_timeout} s]"
+        output += f"\n[timed out after {timeout:.0f} s]"
     log.write(_tail_lines(output, 200))
     log.flush()
     if result_file.exists():
@@ -269,8 +285,17 @@ def write_outputs(doc: dict, out: Path) -> None:
     report.summarize(doc)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    try:
+        report.plot(doc, out / "results.png")
+        doc.pop("plot_missing", None)
+    except ImportError:
+        doc["plot_missing"] = (
+            "matplotlib is not installed here: render the PNG elsewhere with "
+            "`python bench/run.py --report-only --out DIR` (pip install -e .[bench])"
+        )
+        print(f"[bench] {doc['plot_missing']}", flush=True)
     (out / "results.md").write_text(report.markdown(doc))
-    report.plot(doc, out / "results.png")
+    (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
     profiles = sorted(out.glob("profile-*.txt"))
     if profiles:
         (out / "profile.txt").write_text("\n".join(p.read_text() for p in profiles))
@@ -285,6 +310,7 @@ def export(out: Path, dest: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.started = time.monotonic()
     if args.child:
         return _child_main(*args.child)
     args.out.mkdir(parents=True, exist_ok=True)
