@@ -104,7 +104,10 @@ def markdown(doc: dict[str, Any]) -> str:
         "# twinkle-specs benchmark results",
         "",
         f"- date (UTC): {doc['date_utc']}",
-        f"- command: `{doc['command']}`",
+        "- command(s): "
+        + "; ".join(
+            f"`{c}`" for c in dict.fromkeys(r.get("command", doc["command"]) for r in doc["results"])
+        ),
         f"- device: {env.get('device')} × {env.get('gpu_count', 0)} (one GPU used)"
         if env.get("device") != "cpu"
         else "- device: CPU (portable path; proves the harness runs, these are NOT performance results)",

@@ -390,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                     result.setdefault("seq_len", settings.seq_len)
                     result.setdefault("micro_batch_size", settings.micro_batch_size)
                     result.setdefault("tag", args.tag)
+                result["command"] = command
+                result["date_utc"] = doc["date_utc"]
                 fresh_results.append(result)
                 print(f"[bench] {tag}: {_one_line(result)}", flush=True)
                 log.write(f"[bench] {tag}: {_one_line(result)}\n")

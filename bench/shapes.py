@@ -48,7 +48,7 @@ def _qwen2_5_1_5b(layers: int | None):
 def _qwen3_8b(layers: int | None):
     from transformers import Qwen3Config
 
-    # 36 layers in the real model; 8 by default so that full fine-tuning (~16 bytes/parameter with
+    # 36 layers in the real model; 8 by default so that full fine-tuning (~18 bytes/parameter with
     # the distributed optimizer's fp32 main weights and Adam states) fits one 80 GB H100.
     return Qwen3Config(
         vocab_size=QWEN_VOCAB,
