@@ -6,9 +6,9 @@ Each patch module exposes ``NEEDED_FOR`` (a human-readable range), ``is_needed()
 
 from __future__ import annotations
 
-from . import collectives_on_host, rope_on_host, router_on_host, tied_embedding_on_host
+from . import cuda_device_on_host, rope_on_host, router_on_host, tied_embedding_on_host
 
-PATCHES = [rope_on_host, router_on_host, tied_embedding_on_host, collectives_on_host]
+PATCHES = [rope_on_host, router_on_host, tied_embedding_on_host, cuda_device_on_host]
 _applied: set[str] = set()
 
 

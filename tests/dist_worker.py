@@ -63,9 +63,29 @@ def main() -> None:
             if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
                 torch.save(torch.cat(parts, dim=-1).cpu(), out / "logits.pt")
     ts.save_hf_weights(model, out / "export")
+    _dist_checkpoint_round_trip(model, args.hf, out)
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def _dist_checkpoint_round_trip(model, hf: str, out: Path) -> None:
+    """Megatron's own checkpoint format (what --save writes): save this layout's sharded_state_dict, load
+    it into a fresh, unloaded model and require every parameter back bit-exactly."""
+    from megatron.core import dist_checkpointing
+
+    import twinkle_specs as ts
+
+    ckpt = out / "dist"
+    if dist.get_rank() == 0:
+        ckpt.mkdir()
+    dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(ckpt))
+    fresh = ts.build_model(hf, load_weights=False)
+    fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), str(ckpt)), strict=True)
+    loaded = dict(fresh.named_parameters())
+    mismatched = [n for n, p in model.named_parameters() if not torch.equal(p, loaded[n])]
+    (out / f"dist-ckpt-{dist.get_rank()}.json").write_text(json.dumps({"mismatched": mismatched}))
 
 
 if __name__ == "__main__":

@@ -82,11 +82,11 @@ def test_collectives_allocate_on_host_only_inside_megatron_mappings():
     """The EP=2 / MoE TP=2 layouts in test_parity run through these gathers on gloo."""
     from megatron.core import utils
     from megatron.core.tensor_parallel import mappings
-    from twinkle_specs.patches import collectives_on_host
+    from twinkle_specs.patches import cuda_device_on_host
 
     with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
         torch.cuda.current_device()  # what upstream's allocations call
     assert mappings.torch.cuda.current_device() == "cpu" and utils.torch.cuda.current_device() == "cpu"
     assert mappings.torch.empty(2, device=mappings.torch.cuda.current_device()).device.type == "cpu"
     assert mappings.torch.distributed is torch.distributed and torch.cuda.current_device is not None
-    assert isinstance(mappings.torch, collectives_on_host._TorchOnHost)
+    assert isinstance(mappings.torch, cuda_device_on_host._TorchOnHost)
