@@ -161,6 +161,28 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"| {r['shape']} | {ld['seconds']:.2f} | {_fmt(ld.get('gib_per_s'))} | {ld['bytes_read']:,} | "
                 f"{ld['checkpoint_bytes']:,} | {_fmt(ld.get('read_fraction'), '.3f')} | {ld['page_cache_dropped']} |"
             )
+    scaling = doc.get("load_scaling") or []
+    if scaling:
+        lines += [
+            "",
+            "## HF → Megatron load across ranks (bench/load.py under torchrun)",
+            "",
+            "| shape | layout | ranks | device | seconds (all ranks) | max bytes read / rank | "
+            "max read / checkpoint per rank | all ranks' reads / checkpoint | status |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in scaling:
+            if r.get("status") != "ok":
+                why = (r.get("reason") or r.get("error") or "")[:120]
+                lines.append(
+                    f"| {r['shape']} | {r['layout']} | – | – | – | – | – | – | {r.get('status')}: {why} |"
+                )
+                continue
+            lines.append(
+                f"| {r['shape']} | {r['layout']} | {r['ranks']} | {r['device']} ({r['impl']}) | "
+                f"{r['seconds_all_ranks']:.2f} | {r['max_bytes_read_per_rank']:,} | "
+                f"{r['max_read_fraction_per_rank']:.3f} | {r['total_read_fraction']:.3f} | ok |"
+            )
     profiled = [r for r in doc["results"] if r.get("profile")]
     if profiled:
         lines += ["", "## Profile (per step)", ""]

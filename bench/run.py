@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -32,7 +33,13 @@ ALL_VARIANTS = ("mcore_te_full", "twinkle_full", "twinkle_lora", "hf_peft_lora",
 DEFAULT_VARIANTS = ("mcore_te_full", "twinkle_full", "twinkle_lora", "hf_peft_lora", "twinkle_frozen")
 PRESETS = {
     # all five variants on the 1.7B shape: ~3-5 minutes on an H100 (fits one 600 s device call)
-    "quick": {"shapes": ["qwen3-1.7b"], "warmup": 3, "steps": 10, "seq": 4096},
+    "quick": {
+        "shapes": ["qwen3-1.7b"],
+        "warmup": 3,
+        "steps": 10,
+        "seq": 4096,
+        "load_layouts": ["tp2", "pp2"],
+    },
     # every shape; run it over several calls (--shapes a subset per call, same --out)
     "full": {
         "shapes": ["qwen3-1.7b", "qwen2.5-1.5b", "qwen3-8b", "qwen3-30b-a3b"],
@@ -92,6 +99,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="extra megatron TransformerConfig field (JSON value), e.g. --set moe_permute_fusion=true",
     )
     ap.add_argument("--no-load", action="store_true", help="skip writing/loading the HF checkpoint")
+    ap.add_argument(
+        "--load-layouts",
+        type=_csv,
+        default=None,
+        help="also time the HF load on several ranks (torchrun), e.g. tp2,pp2,ep2 (preset quick: tp2,pp2)",
+    )
+    ap.add_argument("--load-on-gpu", action="store_true", help="--load-layouts ranks on GPUs (NCCL), not CPU")
     ap.add_argument("--profile", action="store_true", help="torch profiler after timing: profile.txt")
     ap.add_argument("--profile-trace", action="store_true", help="with --profile: chrome traces too")
     ap.add_argument("--tag", default="", help="label of this configuration (kept apart in ratios)")
@@ -124,6 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.seq = args.seq or preset["seq"]
     args.warmup = preset["warmup"] if args.warmup is None else args.warmup
     args.steps = args.steps or preset["steps"]
+    if args.load_layouts is None:
+        args.load_layouts = preset.get("load_layouts", [])
     for v in args.variants:
         if v not in ALL_VARIANTS:
             ap.error(f"unknown variant {v!r}; choose from {', '.join(ALL_VARIANTS)}")
@@ -223,17 +239,57 @@ def _child_main(task_json: str, result_json: str) -> int:
     return 0
 
 
+def _time_left(args, wanted: float) -> float | None:
+    """Seconds a child may run: ``wanted``, cut to the --budget; None when the budget is used up."""
+    if args.budget is None:
+        return wanted
+    left = args.budget - (time.monotonic() - args.started)
+    return None if left < 30 else min(wanted, left - 10)
+
+
+def _run_load_layout(name: str, hf_dir: Path, layout: str, args, log) -> dict:
+    """bench/load.py under torchrun for one parallel layout (CPU ranks unless --load-on-gpu)."""
+    import socket
+
+    from bench.load import world_size
+
+    base = {"shape": name, "layout": layout, "on_gpu": args.load_on_gpu}
+    timeout = _time_left(args, args.variant_timeout)
+    if timeout is None:
+        return base | {"status": "skipped", "reason": f"--budget {args.budget:.0f} s used up"}
+    out = args.out / "tasks" / f"{name}__load_{layout}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world_size(layout)}"]
+    cmd += ["--master-addr=127.0.0.1", f"--master-port={port}", str(ROOT / "bench" / "load.py")]
+    cmd += ["--hf", str(hf_dir), "--layout", layout, "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    if not args.load_on_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    log.write(f"\n===== {name} load {layout}: {' '.join(cmd)}\n")
+    try:
+        proc = subprocess.run(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env
+        )
+        output, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as err:
+        output = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        rc = f"timeout after {timeout:.0f} s"
+    log.write(_tail_lines(output, 60))
+    log.flush()
+    if rc == 0 and out.exists():
+        return base | {"status": "ok"} | json.loads(out.read_text())
+    return base | {"status": "error", "error": f"torchrun exited {rc}", "log_tail": output[-3000:]}
+
+
 def _run_child(payload: dict, name: str, args, log) -> dict:
     """Runs one task in a fresh interpreter; its output goes to the log."""
-    timeout = args.variant_timeout
-    if args.budget is not None:
-        left = args.budget - (time.monotonic() - args.started)
-        if left < 30:
-            return {
-                "status": "skipped",
-                "reason": f"--budget {args.budget:.0f} s used up before this variant",
-            }
-        timeout = min(timeout, left - 10)
+    timeout = _time_left(args, args.variant_timeout)
+    if timeout is None:
+        return {"status": "skipped", "reason": f"--budget {args.budget:.0f} s used up before this variant"}
     tmp = args.out / "tasks"
     tmp.mkdir(parents=True, exist_ok=True)
     task_file, result_file = tmp / f"{name}.task.json", tmp / f"{name}.result.json"
@@ -271,14 +327,19 @@ def _key(r: dict) -> tuple:
     return (r.get("shape"), r.get("variant"), r.get("seq_len"), r.get("micro_batch_size"), r.get("tag", ""))
 
 
-def _load_previous(out: Path, fresh: bool) -> list[dict]:
+def _load_key(r: dict) -> tuple:
+    return (r.get("shape"), r.get("layout"), r.get("on_gpu"))
+
+
+def _load_previous(out: Path, fresh: bool) -> tuple[list[dict], list[dict]]:
     path = out / "results.json"
     if fresh or not path.exists():
-        return []
+        return [], []
     try:
-        return json.loads(path.read_text()).get("results", [])
+        old = json.loads(path.read_text())
     except (json.JSONDecodeError, OSError):
-        return []
+        return [], []
+    return old.get("results", []), old.get("load_scaling", [])
 
 
 def write_outputs(doc: dict, out: Path) -> None:
@@ -321,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.loads(sources[0].read_text())
         merged = {_key(r): r for src in sources for r in json.loads(src.read_text())["results"]}
         doc["results"] = list(merged.values())
+        loads = {
+            _load_key(r): r for src in sources for r in json.loads(src.read_text()).get("load_scaling", [])
+        }
+        doc["load_scaling"] = list(loads.values())
         devices = {json.loads(src.read_text())["environment"].get("device") for src in sources}
         if len(devices) > 1:
             print(f"[bench] warning: merged results come from different devices: {sorted(devices)}")
@@ -354,8 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     from bench.flops import peak_flops
 
     doc["peak_flops_per_gpu"] = peak_flops(doc["environment"]["device"]) if on_gpu else None
-    previous = _load_previous(args.out, args.fresh)
+    previous, previous_loads = _load_previous(args.out, args.fresh)
     fresh_results: list[dict] = []
+    fresh_loads: list[dict] = []
+    doc["results"], doc["load_scaling"] = list(previous), list(previous_loads)
     with open(args.out / "run.log", "a") as log:
         log.write(f"\n##### {doc['date_utc']} {command}\n")
         for shape in args.shapes:
@@ -399,6 +466,24 @@ def main(argv: list[str] | None = None) -> int:
                 # write after every variant: a call cut short still leaves what it measured
                 keys = {_key(r) for r in fresh_results}
                 doc["results"] = [r for r in previous if _key(r) not in keys] + fresh_results
+                write_outputs(doc, args.out)
+                if args.export:
+                    export(args.out, args.export)
+            for layout in args.load_layouts if any(hf_dir.glob("*.safetensors")) else []:
+                print(f"[bench] {name} load {layout} ...", flush=True)
+                row = _run_load_layout(name, hf_dir, layout, args, log)
+                row |= {"command": command, "date_utc": doc["date_utc"]}
+                fresh_loads.append(row)
+                msg = (
+                    f"{row['ranks']} ranks, {row['seconds_all_ranks']:.2f} s, max read/rank "
+                    f"{row['max_read_fraction_per_rank']:.3f} of the checkpoint"
+                    if row["status"] == "ok"
+                    else f"{row['status']}: {row.get('reason') or row.get('error')}"
+                )
+                print(f"[bench] {name} load {layout}: {msg}", flush=True)
+                log.write(f"[bench] {name} load {layout}: {msg}\n")
+                keys = {_load_key(r) for r in fresh_loads}
+                doc["load_scaling"] = [r for r in previous_loads if _load_key(r) not in keys] + fresh_loads
                 write_outputs(doc, args.out)
                 if args.export:
                     export(args.out, args.export)

@@ -183,7 +183,7 @@ def cpu_run(tmp_path_factory):
     export = tmp_path_factory.mktemp("bench-export")
     variants = "mcore_te_full,twinkle_full,twinkle_lora,hf_peft_lora,twinkle_frozen,hf_full"
     argv = ["--preset", "tiny", "--in-process", "--out", str(out), "--work", str(work)]
-    argv += ["--variants", variants, "--profile", "--export", str(export)]
+    argv += ["--variants", variants, "--profile", "--export", str(export), "--load-layouts", "tp2"]
     assert main(argv) == 0
     return out, export, json.loads((out / "results.json").read_text())
 
@@ -226,6 +226,11 @@ def test_cpu_end_to_end_schema(cpu_run):
     load = by_variant["twinkle_full"]["load"]
     assert 0 < load["bytes_read"] <= load["checkpoint_bytes"]
     assert 0.9 < load["read_fraction"] <= 1.0 and load["seconds"] > 0
+    (scaling,) = doc["load_scaling"]  # bench/load.py on 2 gloo ranks: each reads about half
+    assert scaling["status"] == "ok", scaling.get("log_tail")
+    assert scaling["layout"] == "tp2" and scaling["ranks"] == 2 and len(scaling["per_rank"]) == 2
+    assert 0.4 < scaling["max_read_fraction_per_rank"] < 0.75
+    assert scaling["checkpoint_bytes"] == load["checkpoint_bytes"]
     ratios = doc["ratios"]["tiny-qwen3 seq64 mbs1"]
     c, d = by_variant["twinkle_lora"], by_variant["hf_peft_lora"]
     assert math.isclose(
@@ -247,6 +252,7 @@ def test_cpu_markdown_and_png(cpu_run):
     header = next(ln for ln in md.splitlines() if ln.startswith("| shape |"))
     assert all(len(ln.split("|")) == len(header.split("|")) for ln in table)
     assert "## HF → Megatron load" in md and "## Ratios" in md and "## Profile (per step)" in md
+    assert "| tiny-qwen3 | tp2 | 2 | cpu (local) |" in md
     width, height = _png_size(out / "results.png")
     assert width > 300 and height > 300
     assert "profile-tiny-qwen3__twinkle_lora.txt" in {p.name for p in out.iterdir()}
