@@ -168,7 +168,33 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-def environment(in_process: bool) -> dict:
+def git_commit(out: Path) -> str | None:
+    """This tree's commit. The device machine's copy has no .git, so fall back to
+    $TWINKLE_BENCH_COMMIT, then the COMMIT file bench/stage.sh writes into .gpu/bench-whl (carried
+    in the first benchmark call), then <out>/COMMIT (saved by an earlier call with the same --out)."""
+    commit = None
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "twinkle_specs", "bench", "patches"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        commit = head + (" (modified)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        commit = os.environ.get("TWINKLE_BENCH_COMMIT")
+        for f in (ROOT / ".gpu" / "bench-whl" / "COMMIT", out / "COMMIT"):
+            if not commit and f.is_file():
+                commit = f.read_text().strip()
+    if commit:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "COMMIT").write_text(commit + "\n")
+    return commit
+
+
+def environment(in_process: bool, out: Path) -> dict:
     import torch
 
     env: dict = {"hostname": platform.node(), "versions": _versions(), "cuda": torch.version.cuda}
@@ -182,18 +208,7 @@ def environment(in_process: bool) -> dict:
         gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     env["device"] = gpus[0] if gpus else "cpu"
     env["gpu_count"] = len(gpus)
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "twinkle_specs", "bench", "patches"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        env["git_commit"] = commit + (" (modified)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        env["git_commit"] = None
+    env["git_commit"] = git_commit(out)
     return env
 
 
@@ -406,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "schema_version": report.SCHEMA_VERSION,
         "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": command,
-        "environment": environment(args.in_process),
+        "environment": environment(args.in_process, args.out),
         "settings": settings.__dict__,
         "flop_formula": {
             "full": "6*N*T + 3*A",
