@@ -204,8 +204,13 @@ def environment(in_process: bool, out: Path) -> dict:
             ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
         )
         gpus = [g.strip() for g in proc.stdout.splitlines() if g.strip()]
-    if not gpus and in_process and torch.cuda.is_available():
-        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    if not gpus and torch.cuda.is_available():
+        if in_process:
+            gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        else:  # ask a child, so that this process holds no CUDA context while the variants run
+            code = "import torch; [print(torch.cuda.get_device_name(i)) for i in range(torch.cuda.device_count())]"
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            gpus = [g.strip() for g in proc.stdout.splitlines() if g.strip()] or ["unknown GPU"]
     env["device"] = gpus[0] if gpus else "cpu"
     env["gpu_count"] = len(gpus)
     env["git_commit"] = git_commit(out)
@@ -484,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                 write_outputs(doc, args.out)
                 if args.export:
                     export(args.out, args.export)
-            for layout in args.load_layouts if any(hf_dir.glob("*.safetensors")) else []:
+            has_ckpt = settings.load and any(hf_dir.glob("*.safetensors"))
+            for layout in args.load_layouts if has_ckpt else []:
                 print(f"[bench] {name} load {layout} ...", flush=True)
                 row = _run_load_layout(name, hf_dir, layout, args, log)
                 row |= {"command": command, "date_utc": doc["date_utc"]}
