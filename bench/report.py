@@ -98,6 +98,13 @@ def _fmt(x: float | None, spec: str = ".2f", scale: float = 1.0) -> str:
     return "–" if x is None else format(x * scale, spec)
 
 
+def _repeats(r: dict[str, Any]) -> str:
+    medians = r.get("repeat_medians")
+    if not medians:
+        return ""
+    return f" ({len(medians)} runs, medians {min(medians):.4f}–{max(medians):.4f})"
+
+
 def markdown(doc: dict[str, Any]) -> str:
     env = doc["environment"]
     lines = [
@@ -133,7 +140,7 @@ def markdown(doc: dict[str, Any]) -> str:
         t = r["step_time_s"]
         lines.append(
             head + f"| {r.get('impl', '')} | {r['tokens_per_s_per_gpu']:,.0f} | {t['median']:.4f} | "
-            f"{t['min']:.4f}–{t['max']:.4f} | {_fmt(r.get('tflops_per_s_per_gpu'), '.1f')} | "
+            f"{t['min']:.4f}–{t['max']:.4f}{_repeats(r)} | {_fmt(r.get('tflops_per_s_per_gpu'), '.1f')} | "
             f"{_fmt(r.get('mfu'), '.1%')} | {_fmt(r.get('peak_memory_gib'))} | "
             f"{_fmt(r.get('step_memory_gib'))} | {r.get('trainable_params', 0):,} | ok |"
         )

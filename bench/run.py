@@ -12,6 +12,7 @@ several calls that share ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -109,6 +110,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="torch profiler after timing: profile.txt")
     ap.add_argument("--profile-trace", action="store_true", help="with --profile: chrome traces too")
     ap.add_argument("--tag", default="", help="label of this configuration (kept apart in ratios)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the variant list this many times, interleaved (a b c.. a b c..): pooled step times, "
+        "per-run medians in repeat_medians (run-to-run noise, e.g. for the 2%% (b)/(a) target)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "latest")
     ap.add_argument("--work", type=Path, default=Path("/tmp/twinkle-bench"), help="configs and checkpoints")
     ap.add_argument("--export", type=Path, help="copy results.{json,md,png}, run.log, profile.txt here")
@@ -459,11 +467,14 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     info = _run_child(payload, f"{name}__checkpoint", args, log)
                 print(f"[bench] {name}: checkpoint {info}", flush=True)
-            for variant in args.variants:
+            for repeat, variant in [(r, v) for r in range(args.repeats) for v in args.variants]:
                 from bench.harness import Task
 
                 task = Task(name, variant, str(hf_dir), settings, str(args.out), args.tag)
                 tag = f"{name}__{variant}" + (f"__{args.tag}" if args.tag else "")
+                if repeat:
+                    task.settings = dataclasses.replace(settings, load=False, profile=False)
+                    tag += f"__r{repeat}"
                 print(f"[bench] {tag} ...", flush=True)
                 if args.in_process:
                     from bench.harness import run_task
@@ -479,7 +490,12 @@ def main(argv: list[str] | None = None) -> int:
                     result.setdefault("tag", args.tag)
                 result["command"] = command
                 result["date_utc"] = doc["date_utc"]
-                fresh_results.append(result)
+                earlier = [r for r in fresh_results if _key(r) == _key(result)]
+                if earlier:
+                    combine_repeat(earlier[0], result)
+                else:
+                    result["repeats"] = 1
+                    fresh_results.append(result)
                 print(f"[bench] {tag}: {_one_line(result)}", flush=True)
                 log.write(f"[bench] {tag}: {_one_line(result)}\n")
                 log.flush()
@@ -510,6 +526,36 @@ def main(argv: list[str] | None = None) -> int:
                     export(args.out, args.export)
     print((args.out / "results.md").read_text(), flush=True)
     return 0
+
+
+def combine_repeat(first: dict, again: dict) -> None:
+    """Folds a repeated run of the same variant into ``first``: all step times pooled (median and
+    spread over them), each run's median kept in ``repeat_medians``, memory the larger peak."""
+    from bench.harness import spread
+
+    if first.get("status") != "ok" or again.get("status") != "ok":
+        first.setdefault("repeat_errors", []).append(
+            again.get("error") or again.get("reason") or again["status"]
+        )
+        if first.get("status") != "ok" and again.get("status") == "ok":
+            first.clear()
+            first.update(again | {"repeats": 1})
+        return
+    first.setdefault("repeat_medians", [first["step_time_s"]["median"]])
+    first["repeat_medians"].append(again["step_time_s"]["median"])
+    first["repeats"] = first.get("repeats", 1) + 1
+    times = first["step_time_s"]["all"] + again["step_time_s"]["all"]
+    first["step_time_s"] = spread(times)
+    first["losses"] = first["losses"] + again["losses"]
+    first["losses_finite"] = first["losses_finite"] and again["losses_finite"]
+    for key in ("peak_memory_gib", "peak_reserved_gib", "step_memory_gib"):
+        if first.get(key) is not None and again.get(key) is not None:
+            first[key] = max(first[key], again[key])
+    median = first["step_time_s"]["median"]
+    first["tokens_per_s_per_gpu"] = first["tokens_per_step"] / median
+    first["tflops_per_s_per_gpu"] = first["model_flops"]["total"] / median / 1e12
+    peak = first.get("peak_flops_per_gpu")
+    first["mfu"] = first["model_flops"]["total"] / median / peak if peak else None
 
 
 def _one_line(r: dict) -> str:

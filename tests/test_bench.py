@@ -264,13 +264,19 @@ def test_cpu_merge_and_report_only(cpu_run, tmp_path):
     out, _, doc = cpu_run
     # a second call with the same --out replaces its own entries and keeps the others
     argv = ["--preset", "tiny", "--in-process", "--out", str(out), "--work", str(tmp_path / "w")]
-    assert main(argv + ["--variants", "twinkle_frozen", "--no-load"]) == 0
+    assert main(argv + ["--variants", "twinkle_frozen", "--no-load", "--repeats", "2"]) == 0
     merged = json.loads((out / "results.json").read_text())
     assert len(merged["results"]) == len(doc["results"])
     frozen = [r for r in merged["results"] if r["variant"] == "twinkle_frozen"]
     before = next(r for r in doc["results"] if r["variant"] == "twinkle_frozen")
     assert len(frozen) == 1 and frozen[0]["timed_wall_s"] != before["timed_wall_s"]  # the new measurement
-    assert merged["command"].endswith("--variants twinkle_frozen --no-load")
+    assert merged["command"].endswith("--variants twinkle_frozen --no-load --repeats 2")
+    # --repeats 2: both runs' step times pooled, each run's median kept
+    assert frozen[0]["repeats"] == 2 and len(frozen[0]["repeat_medians"]) == 2
+    assert len(frozen[0]["step_time_s"]["all"]) == 4 and len(frozen[0]["losses"]) == 6
+    median = frozen[0]["step_time_s"]["median"]
+    assert math.isclose(frozen[0]["tokens_per_s_per_gpu"], frozen[0]["tokens_per_step"] / median)
+    assert "2 runs, medians" in (out / "results.md").read_text()
     # --report-only --merge folds another results.json in
     other = tmp_path / "other.json"
     extra = dict(frozen[0], tag="mbs-sweep")
