@@ -219,14 +219,20 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
         (axes[0], "tokens_per_s_per_gpu", "tokens / s / GPU"),
         (axes[1], "peak_memory_gib", "peak memory (GiB)"),
     ):
+        drawn = 0.0
         for i, v in enumerate(variants):
             ys = []
             for g in groups:
                 match = [r for r in ok if r["variant"] == v and group_name(group_key(r)) == g]
                 ys.append((match[0].get(metric) or 0.0) if match else 0.0)
-            ax.bar([j + i * width for j in range(len(groups))], ys, width, label=v)
+            drawn += sum(ys)
+            label = next((r["label"].split(")")[0] + ") " for r in ok if r["variant"] == v), "") + v
+            ax.bar([j + i * width for j in range(len(groups))], ys, width, label=label)
         ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(groups))], groups, fontsize=8)
         ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        if not drawn:
+            ax.text(0.5, 0.5, "not measured (no GPU)", ha="center", va="center", transform=ax.transAxes)
     axes[0].legend(fontsize=8)
     axes[0].set_title(
         f"twinkle-specs benchmark — {doc['environment'].get('device')} — {doc['date_utc'][:10]}"
