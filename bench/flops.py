@@ -22,9 +22,11 @@ done per second, not implementation choices.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from twinkle_specs.hf_config import QwenArch
-from twinkle_specs.lora import LoraConfig
+if TYPE_CHECKING:  # no runtime import: the parent process of bench/run.py must not pull in TE/CUDA
+    from twinkle_specs.hf_config import QwenArch
+    from twinkle_specs.lora import LoraConfig
 
 # Dense bf16 tensor-core peak, FLOP/s, by device-name substring (first match wins; most specific first).
 PEAK_BF16_FLOPS = (

@@ -161,18 +161,19 @@ def _versions() -> dict[str, str | None]:
     from importlib import metadata
 
     out: dict[str, str | None] = {"python": platform.python_version()}
-    for dist in ("torch", "megatron-core", "transformer-engine", "transformers", "peft", "twinkle-specs"):
+    names = ("torch", "megatron-core", "transformers", "peft", "safetensors", "twinkle-specs")
+    # TE ships as a meta package plus core and torch-extension wheels; record whichever are installed
+    names += (
+        "transformer-engine",
+        "transformer-engine-cu13",
+        "transformer-engine-cu12",
+        "transformer-engine-torch",
+    )
+    for dist in names:
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = None
-    if out["transformer-engine"] is None:
-        try:
-            import transformer_engine
-
-            out["transformer-engine"] = getattr(transformer_engine, "__version__", "present")
-        except ImportError:
-            pass
     return out
 
 
@@ -206,6 +207,16 @@ def environment(in_process: bool, out: Path) -> dict:
     import torch
 
     env: dict = {"hostname": platform.node(), "versions": _versions(), "cuda": torch.version.cuda}
+    env["env_vars"] = {
+        k: os.environ.get(k)
+        for k in (
+            "CUDA_DEVICE_MAX_CONNECTIONS",
+            "NCCL_NVLS_ENABLE",
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "OMP_NUM_THREADS",
+        )
+        if os.environ.get(k) is not None
+    }
     gpus: list[str] = []
     if shutil.which("nvidia-smi"):
         proc = subprocess.run(

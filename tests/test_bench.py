@@ -365,3 +365,16 @@ def test_gpu_harness_small(tmp_path):
             assert r["impl"] == "transformer_engine"
         if r["variant"] not in ("twinkle_frozen",) and not r["variant"].startswith("hf_"):
             assert r["optimizer"].startswith("megatron-core DistributedDataParallel")
+
+
+def test_parent_process_stays_light():
+    """bench/run.py's own process imports no twinkle_specs/megatron/TE (so on the GPU machine it holds
+    no CUDA context while the variants run in their child processes)."""
+    code = (
+        "import sys; sys.path.insert(0, '.'); import bench.run, bench.harness, bench.flops, bench.report; "
+        "import bench.shapes, bench.load; "
+        "print([m for m in sys.modules if m.startswith(('twinkle_specs', 'megatron', 'transformer_engine'))])"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
