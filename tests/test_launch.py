@@ -37,7 +37,7 @@ def launch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
         f"--master-port={free_port()}",
         "-m",
         "twinkle_specs.launch",
-        str(STANDIN / "pretrain_gpt.py"),
+        str(STANDIN / "standin_pretrain_gpt.py"),
         *args,
     ]
     env = dict(
