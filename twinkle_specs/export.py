@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from .checkpoint import INDEX_NAME
 from .hf_config import QwenArch, qwen_arch_from_hf
 from .parallel import bindings, model_chunks, tp_info
+from .weight_map import hf_tensor_shapes
 
 # Files besides the weights that make the output a usable HF checkpoint, copied from the source.
 _COPIED = (
@@ -107,8 +108,6 @@ def save_hf_weights(
     world = dist.get_world_size() if _distributed() else 1
 
     # 1. Plan: which rank produces which tensor (name, shape), in production order.
-    from .weight_map import hf_tensor_shapes
-
     shapes = hf_tensor_shapes(arch)
     mine = [b.hf_names for b, _ in bindings(model, arch) if _is_owner(b.expert)]
     mine_flat = [n for names in mine for n in names]
