@@ -7,7 +7,7 @@ py=${PYTHON:-python3}
 if ! $py -c 'import torch, sys; sys.exit(not torch.__version__.startswith(("2.11", "2.12", "2.13")))' 2>/dev/null; then
   $py -m pip install -q torch==2.13.0
 fi
-$py -m pip install -q -e ".[dev,ray]"
+$py -m pip install -q -e ".[dev,ray,bench]"
 # The Slurm launch tests need a real Slurm (Debian's slurm-wlm daemons + client); installed here, started by
 # the tests (tests/launch/test_launch_slurm.py). Only the three packages the tests run, without the dozens of
 # -dev/-plugin recommends of the slurm-wlm metapackage. Needs root; otherwise those tests skip and say why.
