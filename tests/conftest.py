@@ -33,8 +33,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_dist(nproc: int, script: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Runs ``script`` on ``nproc`` gloo ranks with torchrun; raises with its output on failure."""
+def run_dist(
+    nproc: int, script: Path, *args: str, timeout: int = 300, cpu_only: bool = False
+) -> subprocess.CompletedProcess:
+    """Runs ``script`` on ``nproc`` ranks with torchrun (one GPU each where there are GPUs and not
+    ``cpu_only``, else gloo on CPU); raises with its output on failure."""
     cmd = [
         sys.executable,
         "-m",
@@ -45,8 +48,8 @@ def run_dist(nproc: int, script: Path, *args: str, timeout: int = 300) -> subpro
         str(script),
         *args,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if not torch.cuda.is_available():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if cpu_only or not torch.cuda.is_available():
         env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode:

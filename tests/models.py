@@ -16,66 +16,56 @@ _COMMON = dict(
     max_position_embeddings=256,
     rms_norm_eps=1e-6,
 )
+_MOE = dict(
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_key_value_heads=2,
+    num_experts=4,
+    num_experts_per_tok=2,
+)
 
-CONFIGS = {
-    # Qwen2 (no bias variant is not a Qwen2 thing: Qwen2 always has QKV bias), tied embeddings.
-    "qwen2": lambda: Qwen2Config(
-        **_COMMON, intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=True
-    ),
+# kind -> (transformers config class, its fields beyond _COMMON)
+_KINDS = {
+    # Qwen2 (always QKV bias), GQA, tied embeddings.
+    "qwen2": (Qwen2Config, dict(intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=True)),
     # Qwen2.5-style: QKV bias, untied, rope_theta 1e6, MHA.
-    "qwen2_5": lambda: Qwen2Config(
-        **_COMMON, intermediate_size=96, num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1e6
+    "qwen2_5": (
+        Qwen2Config,
+        dict(intermediate_size=96, num_key_value_heads=4, tie_word_embeddings=False, rope_theta=1e6),
     ),
     # Qwen3: head_dim != hidden/heads, GQA, q/k norm, untied.
-    "qwen3": lambda: Qwen3Config(
-        **_COMMON, intermediate_size=96, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False
+    "qwen3": (
+        Qwen3Config,
+        dict(intermediate_size=96, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False),
     ),
-    "qwen3_moe": lambda: Qwen3MoeConfig(
-        **_COMMON,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        tie_word_embeddings=False,
+    "qwen3_moe": (Qwen3MoeConfig, _MOE | dict(head_dim=16, norm_topk_prob=True, tie_word_embeddings=False)),
+    "qwen3_moe_nonorm": (
+        Qwen3MoeConfig,
+        _MOE | dict(head_dim=16, norm_topk_prob=False, tie_word_embeddings=True),
     ),
-    "qwen3_moe_nonorm": lambda: Qwen3MoeConfig(
-        **_COMMON,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=False,
-        tie_word_embeddings=True,
-    ),
-    "qwen2_moe": lambda: Qwen2MoeConfig(
-        **_COMMON,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=False,
-        tie_word_embeddings=False,
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        _MOE | dict(shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=False),
     ),
 }
 
 
+def qwen_config(kind: str, **overrides):
+    """The tiny transformers config of ``kind``; ``overrides`` replace any field (vocab, layers, ...)."""
+    cls, fields = _KINDS[kind]
+    return cls(**(_COMMON | fields | overrides))
+
+
+CONFIGS = {kind: (lambda kind=kind: qwen_config(kind)) for kind in _KINDS}
+
+
 def make_checkpoint(
-    kind: str, out: Path, seed: int = 0, max_shard_size: str | None = None, vocab_size: int | None = None
+    kind: str, out: Path, seed: int = 0, max_shard_size: str | None = None, **overrides
 ) -> Path:
-    """Saves a random tiny model of ``kind`` as safetensors in ``out``; weights are scaled up from the
-    default init so that errors in any tensor show clearly in the logits."""
+    """Saves a random tiny model of ``kind`` (config fields overridable) as safetensors in ``out``;
+    weights are scaled up from the default init so that errors in any tensor show clearly in the logits."""
     torch.manual_seed(seed)
-    config = CONFIGS[kind]()
-    if vocab_size is not None:
-        config.vocab_size = vocab_size
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(qwen_config(kind, **overrides))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

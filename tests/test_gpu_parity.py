@@ -5,12 +5,16 @@ Writes the measured statistics to $TWINKLE_EVIDENCE_DIR/gpu-parity.json when tha
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import pytest
 import torch
+from gpu_checks import (
+    BF16_MIN_COSINE,
+    FP32_MAX_ABS,
+    FP32_MEAN_ABS,
+    FP32_MIN_COSINE,
+    FP32_MOE_MAX_ABS,
+    Evidence,
+)
 from models import batch
 
 pytestmark = [
@@ -18,27 +22,10 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine"),
 ]
 
-# fp32: TE's GEMMs and fused RMSNorm/RoPE/attention kernels (TF32 tensor-core math) vs transformers'
-# eager fp32 ops; measured on H200: max |Δ| 3.4e-3, mean |Δ| 5e-4, cosine 0.9999995 (Qwen2, 128 tokens).
-FP32_MAX_ABS = 1e-2
-# MoE: a token whose top-k experts are near-tied can route differently under TF32 (measured once on
-# Qwen2-MoE: max |Δ| 0.13 at one position, mean |Δ| 6e-4), so the max is bounded more loosely there.
-FP32_MOE_MAX_ABS = 0.25
-FP32_MEAN_ABS = 1e-3
-FP32_MIN_COSINE = 0.99999
 # bf16: both sides round to bf16 at different points, so they are judged against the fp32 truth:
 # ours must be as close to transformers-fp32 as transformers-bf16 itself is (within 1.5x), and close.
 BF16_ERROR_RATIO = 1.5
-BF16_MIN_COSINE = 0.999
-
-_results: dict[str, dict] = {}
-
-
-def _record(name: str, stats: dict) -> None:
-    _results[name] = stats
-    out = os.environ.get("TWINKLE_EVIDENCE_DIR")
-    if out:
-        Path(out, "gpu-parity.json").write_text(json.dumps(_results, indent=2))
+EVIDENCE = Evidence("gpu-parity.json")
 
 
 @pytest.fixture(scope="module")
@@ -69,19 +56,17 @@ def test_te_path_matches_transformers(kind, dtype, checkpoints, single_gpu):
     stats = compare_logits(ours, ref)
     name = f"{kind}-{str(dtype).removeprefix('torch.')}"
     if dtype == torch.float32:
-        _record(name, stats.as_dict())
+        EVIDENCE.record(name, **stats.as_dict())
         assert stats.max_abs <= (FP32_MOE_MAX_ABS if "moe" in kind else FP32_MAX_ABS), stats
         assert stats.mean_abs <= FP32_MEAN_ABS, stats
         assert stats.cosine >= FP32_MIN_COSINE, stats
         return
     ours_err, hf_err = compare_logits(ours, truth), compare_logits(ref, truth)
-    _record(
+    EVIDENCE.record(
         name,
-        {
-            "vs_transformers_bf16": stats.as_dict(),
-            "ours_vs_fp32": ours_err.as_dict(),
-            "transformers_bf16_vs_fp32": hf_err.as_dict(),
-        },
+        vs_transformers_bf16=stats.as_dict(),
+        ours_vs_fp32=ours_err.as_dict(),
+        transformers_bf16_vs_fp32=hf_err.as_dict(),
     )
     assert ours_err.mean_abs <= BF16_ERROR_RATIO * hf_err.mean_abs, (ours_err, hf_err)
     assert ours_err.cosine >= BF16_MIN_COSINE, ours_err
@@ -91,5 +76,5 @@ def test_embedded_default_bf16(single_gpu):
     from twinkle_specs.parity import run_parity
 
     stats, _ = run_parity(seq_len=512, dtype=torch.bfloat16)
-    _record("qwen3-tiny-default-bfloat16-seq512", stats.as_dict())
+    EVIDENCE.record("qwen3-tiny-default-bfloat16-seq512", **stats.as_dict())
     assert stats.cosine >= BF16_MIN_COSINE and stats.argmax_agreement >= 0.95, stats

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import free_port
+from gpu_checks import Evidence
 from models import make_checkpoint
 
 ROOT = os.environ.get("MEGATRON_LM_ROOT")
@@ -25,7 +26,7 @@ pytestmark = [
     pytest.mark.skipif(not ROOT, reason="needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT"),
 ]
 LOSS_RTOL = 0.015  # bf16 training step vs transformers fp32 on the same tokens
-_summary: dict[str, dict] = {}
+EVIDENCE = Evidence("launch-summary.json")
 
 
 def two_gpus():
@@ -128,16 +129,9 @@ def hf_loss(hf: Path, dump_dir: Path, adapter: Path | None = None) -> float:
     return torch.stack(losses).mean().item()
 
 
-def _record(name: str, **values) -> None:
-    _summary[name] = values
-    evidence = os.environ.get("TWINKLE_EVIDENCE_DIR")
-    if evidence:
-        Path(evidence, "launch-summary.json").write_text(json.dumps(_summary, indent=2))
-
-
 def _check_first_loss(name: str, losses: dict[int, float], hf: Path, dump_dir: Path, **extra) -> None:
     ref = hf_loss(hf, dump_dir)
-    _record(name, megatron_iter1=losses[1], transformers=ref, last=losses[max(losses)], **extra)
+    EVIDENCE.record(name, megatron_iter1=losses[1], transformers=ref, last=losses[max(losses)], **extra)
     assert abs(losses[1] - ref) <= LOSS_RTOL * ref, (losses[1], ref)
     assert losses[max(losses)] < losses[1], losses
 
@@ -203,7 +197,7 @@ def test_lora_qwen3_save_resume_and_peft_export(e2e):
     diffs = {i: abs(resumed[i] - straight[i]) / straight[i] for i in resumed}
     # The exported PEFT adapter (after iteration 5) reproduces the resumed run's iteration-6 loss.
     peft_loss = hf_loss(hf, dump2, adapter=root / "adapter5")
-    _record(
+    EVIDENCE.record(
         "lora-qwen3-resume", resumed=resumed, straight={i: straight[i] for i in resumed}, peft_iter6=peft_loss
     )
     assert max(diffs.values()) <= 2e-3, diffs

@@ -20,29 +20,23 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_checks import (
+    BF16_MIN_COSINE,
+    FP32_MAX_ABS,
+    FP32_MEAN_ABS,
+    FP32_MIN_COSINE,
+    FP32_MOE_MAX_ABS,
+    Evidence,
+)
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine"),
 ]
 
-FP32_MAX_ABS = 1e-2
-# MoE: near-tied top-k experts can route differently under TF32 (the base TE path measured max |Δ| 0.13
-# at one position on Qwen2-MoE), so the max is bounded loosely there and the mean tightly everywhere.
-FP32_MOE_MAX_ABS = 0.25
-FP32_MEAN_ABS = 1e-3
-FP32_MIN_COSINE = 0.99999
-BF16_MIN_COSINE = 0.999
 GRAD_REL = 1e-2
 WORKER = Path(__file__).parent / "test_lora_gpu_worker.py"
-_results: dict[str, dict] = {}
-
-
-def _record(name: str, **stats: float) -> None:
-    _results[name] = stats
-    out = os.environ.get("TWINKLE_EVIDENCE_DIR")
-    if out:
-        Path(out, "lora-gpu.json").write_text(json.dumps(_results, indent=2))
+EVIDENCE = Evidence("lora-gpu.json")
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +148,7 @@ def test_te_lora_matches_peft(kind, targets, extra, dtype, ckpt, gpu, tmp_path):
     ts.load_peft_adapter(model, tmp_path)
     ours = _logits(model, tokens(s=64))
     assert (truth - before).abs().max() > 0.05, "the adapter barely changes the logits: test is vacuous"
-    _record(
+    EVIDENCE.record(
         f"{kind}-{'-'.join(sorted(str(v) for v in targets.values()))}-{extra}-{dtype}",
         max_abs=(ours - truth).abs().max().item(),
         mean_abs=(ours - truth).abs().mean().item(),
@@ -252,11 +246,11 @@ def test_te_tp2_sequence_parallel_matches_peft(ckpt, tmp_path):
     (truth * weights).sum().backward()
     ref_grads = {n.replace(".default", ""): p.grad for n, p in ref.named_parameters() if "lora_" in n}
     ours = torch.load(tmp_path / "logits.pt")
-    _record("tp2-sp-logits", max_abs=(ours - truth.detach()).abs().max().item())
+    EVIDENCE.record("tp2-sp-logits", max_abs=(ours - truth.detach()).abs().max().item())
     assert (ours - truth.detach()).abs().max().item() <= FP32_MAX_ABS
     grads = torch.load(tmp_path / "grads.pt")
     assert sorted(grads) == sorted(ref_grads)
     scale = max(g.abs().max().item() for g in ref_grads.values())
     worst = max((grads[k].float() - ref_grads[k]).abs().max().item() for k in ref_grads)
-    _record("tp2-sp-grads", max_abs_over_largest=worst / scale)
+    EVIDENCE.record("tp2-sp-grads", max_abs_over_largest=worst / scale)
     assert worst <= GRAD_REL * scale, f"max |Δgrad| {worst} vs largest {scale}"

@@ -4,83 +4,32 @@ megatron parallel state for in-process tests and a gloo launcher for multi-rank 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import models
 import pytest
 import torch
-from conftest import free_port
+from conftest import free_port, run_dist
+from models import qwen_config
 
 VOCAB = 128
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-)
 
 
 def hf_config(kind: str):
-    """Tiny configs covering GQA + q/k norm (qwen3), QKV bias + tied embeddings (qwen2) and MoE;
-    ``qwen3_4l`` has 4 layers, enough for 2 pipeline stages of 2 virtual chunks."""
-    from transformers import Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    """The tests/models.py configs at LoRA-test size (vocab 128, 2 layers); ``qwen3_4l`` has 4 layers,
+    enough for 2 pipeline stages of 2 virtual chunks."""
+    return qwen_config(kind.removesuffix("_4l"), **_lora_size(kind))
 
-    return {
-        "qwen3": lambda: Qwen3Config(
-            **_COMMON, intermediate_size=96, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False
-        ),
-        "qwen3_4l": lambda: Qwen3Config(
-            **(_COMMON | {"num_hidden_layers": 4}),
-            intermediate_size=96,
-            num_key_value_heads=2,
-            head_dim=24,
-            tie_word_embeddings=False,
-        ),
-        "qwen2": lambda: Qwen2Config(
-            **_COMMON, intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=True
-        ),
-        "qwen3_moe": lambda: Qwen3MoeConfig(
-            **_COMMON,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            tie_word_embeddings=False,
-        ),
-        "qwen2_moe": lambda: Qwen2MoeConfig(
-            **_COMMON,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            num_key_value_heads=2,
-            num_experts=4,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
-            tie_word_embeddings=False,
-        ),
-    }[kind]()
+
+def _lora_size(kind: str) -> dict:
+    return dict(
+        vocab_size=VOCAB, max_position_embeddings=128, num_hidden_layers=4 if kind.endswith("_4l") else 2
+    )
 
 
 def make_checkpoint(kind: str, out: Path, seed: int = 0) -> Path:
     """A random tiny HF checkpoint (weights scaled up so every tensor shows in the logits)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(kind))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 0.08 if p.dim() >= 2 else 0.05)
-    model.save_pretrained(out)
-    return out
+    return models.make_checkpoint(kind.removesuffix("_4l"), out, seed, **_lora_size(kind))
 
 
 def hf_model(hf_dir: Path):
@@ -137,21 +86,5 @@ def single_rank():
 
 
 def run_ranks(nproc: int, script: Path, *args: str, timeout: int = 240) -> str:
-    """Runs ``script`` on ``nproc`` gloo CPU ranks with torchrun; raises with its output on failure."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}",
-        "--master-addr=127.0.0.1",
-        str(script),
-        *args,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc.stdout
+    """Runs ``script`` on ``nproc`` gloo CPU ranks (GPUs hidden) with torchrun; returns its stdout."""
+    return run_dist(nproc, script, *args, timeout=timeout, cpu_only=True).stdout
