@@ -162,7 +162,7 @@ def _lora_from_args(args) -> object | None:
         r=args.lora_rank,
         lora_alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_rank,
         lora_dropout=args.lora_dropout,
-        target_modules=targets[0] if targets == ["all-linear"] else targets,
+        target_modules=tuple(targets),
         use_rslora=args.lora_rslora,
     )
 
@@ -204,9 +204,9 @@ def _adapter_only(sharded_state_dict):
 
     @functools.wraps(sharded_state_dict)
     def filtered(*args, **kwargs):
-        from .parallel import is_adapter_param
+        from .lora.checkpoint import adapters_only
 
-        return {k: v for k, v in sharded_state_dict(*args, **kwargs).items() if is_adapter_param(k)}
+        return adapters_only(sharded_state_dict(*args, **kwargs))
 
     return filtered
 

@@ -18,15 +18,18 @@ from megatron.core import dist_checkpointing
 from ..parallel import is_adapter_param, model_chunks
 
 
+def adapters_only(state: dict) -> dict:
+    """The LoRA-factor entries of a (sharded) state dict: what an adapter-only checkpoint holds."""
+    return {key: value for key, value in state.items() if is_adapter_param(key)}
+
+
 def adapter_sharded_state_dict(model) -> dict:
     """The sharded state dict of the adapters only (chunk-prefixed ``model{i}.`` under virtual PP)."""
     chunks = model_chunks(model)
     out = {}
     for i, chunk in enumerate(chunks):
         prefix = f"model{i}." if len(chunks) > 1 else ""
-        for key, value in chunk.sharded_state_dict().items():
-            if is_adapter_param(key):
-                out[prefix + key] = value
+        out.update({prefix + key: value for key, value in adapters_only(chunk.sharded_state_dict()).items()})
     if not out:
         raise ValueError(
             "the model has no LoRA factors: build it with build_model(hf_dir, lora=LoraConfig(...))"
