@@ -40,18 +40,16 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _is_owner(expert: bool) -> bool:
-    """TP rank 0 of data-parallel replica 0 sends a parameter's HF tensors to the writer."""
-    if not ps.model_parallel_is_initialized():
-        return True
-    dp = ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank()
-    return dp == 0 and tp_info(expert).rank == 0
-
-
 def _in_owner_group(expert: bool) -> bool:
+    """Data-parallel replica 0 (of the expert-data-parallel group for experts) exports its shards."""
     if not ps.model_parallel_is_initialized():
         return True
     return (ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank()) == 0
+
+
+def _is_owner(expert: bool) -> bool:
+    """TP rank 0 of the owner group sends a parameter's HF tensors to the writer."""
+    return _in_owner_group(expert) and tp_info(expert).rank == 0
 
 
 def _gather(param: torch.Tensor, expert: bool) -> list[torch.Tensor]:
@@ -74,10 +72,8 @@ def _source(model, hf_dir: str | Path | None) -> Path:
 
 
 def _owned_tensors(model, arch: QwenArch, dtype: torch.dtype):
-    """Yields (hf_name, tensor or None) for every HF tensor of this rank's owner groups, in order.
-
-    Non-owners take part in the TP gathers and yield None, so all ranks walk the same sequence.
-    """
+    """Yields (hf_name, tensor) for every HF tensor this rank owns, in order. The other TP ranks of an
+    owner group walk the same sequence, taking part in the gathers and yielding nothing."""
     for binding, param in bindings(model, arch):
         if not _in_owner_group(binding.expert):
             continue
