@@ -134,7 +134,7 @@ def save_hf_weights(
         shards[-1].append(name)
         size += nbytes
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    file_of = {n: files[i] for i, names in enumerate(shards) for n in names}
+    shard_of = {n: i for i, names in enumerate(shards) for n in names}
 
     # 3. Stream: owners send, rank 0 receives in plan order and writes each shard when complete.
     out = Path(out_dir)
@@ -167,7 +167,7 @@ def save_hf_weights(
                 tensor = torch.empty(shapes[name], dtype=dtype, device=comm)
                 dist.recv(tensor, src=owner)
             buffer[name] = tensor.cpu()
-            i = files.index(file_of[name])
+            i = shard_of[name]
             remaining[i].discard(name)
             if not remaining[i]:
                 save_file(
@@ -178,7 +178,11 @@ def save_hf_weights(
         total = sum(itemsize * int(torch.Size(shapes[n]).numel()) for n, _ in order)
         (out / INDEX_NAME).write_text(
             json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}, indent=2
+                {
+                    "metadata": {"total_size": total},
+                    "weight_map": {n: files[i] for n, i in sorted(shard_of.items())},
+                },
+                indent=2,
             )
         )
         config = json.loads((src / "config.json").read_text())
