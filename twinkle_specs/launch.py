@@ -183,17 +183,29 @@ def _wrap_parse_args(original):
     return parse_args
 
 
-def _checkpoint_vocab(tokenizer_padded: int | None) -> int:
-    """Embedding rows: the checkpoint's vocabulary padded to TP (the tokenizer must fit inside it)."""
+def _tokenizer_vocab(megatron_padded: int | None) -> int | None:
+    """The tokenizer's own vocabulary size; Megatron's padded size where no tokenizer is reachable."""
+    try:
+        from megatron.training import get_tokenizer
+
+        return get_tokenizer().vocab_size
+    except (ImportError, AssertionError, AttributeError):
+        return megatron_padded
+
+
+def _checkpoint_vocab(megatron_padded: int | None) -> int:
+    """Embedding rows: the checkpoint's vocabulary padded to TP (the tokenizer must fit inside it;
+    Megatron's own padding of the tokenizer, which grows with TP, does not matter)."""
     from megatron.core import parallel_state as ps
 
     from .model import padded_vocab_size
 
     arch = qwen_arch_from_hf(_RUN.hf_dir)
     rows = padded_vocab_size(arch.vocab_size, ps.get_tensor_model_parallel_world_size())
-    if tokenizer_padded is not None and tokenizer_padded > rows:
+    tokens = _tokenizer_vocab(megatron_padded)
+    if tokens is not None and tokens > rows:
         raise LaunchError(
-            f"the tokenizer needs {tokenizer_padded} embedding rows but {_RUN.hf_dir} has {arch.vocab_size}; "
+            f"the tokenizer has {tokens} tokens but {_RUN.hf_dir} has {arch.vocab_size} embedding rows; "
             "use the checkpoint's own tokenizer"
         )
     return rows
