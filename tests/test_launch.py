@@ -85,6 +85,11 @@ def test_missing_tokenizer_is_explained(checkpoints):
         merge_flags(str(checkpoints("qwen3")), [])
 
 
+def test_save_without_interval_is_explained(checkpoints):
+    with pytest.raises(LaunchError, match=r"--save /ck needs --save-interval N"):
+        merge_flags(str(checkpoints("qwen3")), ["--save", "/ck", "--lr", "1e-4"])
+
+
 def test_other_spec_is_rejected(checkpoints):
     with pytest.raises(LaunchError, match="--spec"):
         merge_flags(str(checkpoints("qwen3")), ["--spec", "my", "spec", "--tokenizer-type", "X"])
@@ -108,6 +113,8 @@ def test_full_finetune_loads_hf_weights_trains_and_exports(checkpoints, tmp_path
         "0.05",
         "--save",
         str(tmp_path / "ck"),
+        "--save-interval",
+        "3",
         "--hf-export",
         str(tmp_path / "hf-out"),
     )
@@ -138,6 +145,8 @@ def test_lora_run_freezes_base_saves_adapters_only_and_exports_peft(checkpoints,
         "0.5",
         "--save",
         str(tmp_path / "ck"),
+        "--save-interval",
+        "3",
         "--lora-rank",
         "4",
         "--lora-alpha",

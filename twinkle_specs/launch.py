@@ -112,6 +112,12 @@ def merge_flags(hf_dir: str, user: list[str]) -> list[str]:
     where they contradict the checkpoint's architecture this raises, naming the flag and both values.
     """
     given = _tokens_to_flags(user)
+    if "--save" in given and "--save-interval" not in given:
+        # Megatron only asserts this (a bare AssertionError); the Slurm and Ray scripts add --save for you.
+        raise LaunchError(
+            f"--save {' '.join(given['--save'])} needs --save-interval N (iterations between checkpoints); "
+            "add e.g. --save-interval 500"
+        )
     merged: list[str] = []
     for group in _flag_groups(megatron_args_from_hf(hf_dir)):
         flag, values = group[0], group[1:]

@@ -25,6 +25,7 @@ def add_megatron_arguments(parser):
         "--seq-length",
         "--micro-batch-size",
         "--train-iters",
+        "--save-interval",
     ]
     floats = [
         "--norm-epsilon",
