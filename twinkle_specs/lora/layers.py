@@ -19,10 +19,20 @@ Under sequence parallelism the replicated factor sees only this rank's tokens, s
 ``sequence_parallel`` and megatron's ``finalize_model_grads`` all-reduces its gradient over TP, as it
 does for layer norms. Routed-expert factors carry ``allreduce = False`` (expert-parallel, like their
 base weights) and need expert-tensor-parallel size 1.
+
+Forward cost (the adapter must stay cheap next to a host-launch-bound base layer): all slots of one
+linear share one A GEMM (the slots' A factors concatenated per forward: a copy of a few rank-r rows,
+differentiable, so the ``lora_A.<slot>`` parameters, their names and checkpoints stay as they are),
+one ``scaling`` multiply of the rank-sum activation (never of the full-size output), one TP
+communication of it, and one B GEMM with a block-structured B assembled in the fused output layout
+(QKV interleaved per query group, [gate; up], zero blocks for untargeted projections) by a single
+gather. :meth:`LoraLayerMixin.lora_delta_per_slot` keeps the per-slot computation as the reference.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import Any
 
@@ -132,7 +142,67 @@ class LoraLayerMixin:
         return x
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
-        """scaling * B(A(dropout(x))) for every slot, laid out like the base output shard."""
+        """scaling * B(A(dropout(x))) for every slot, laid out like the base output shard.
+
+        Fused over the slots: ``h = x @ [A_1; A_2; ...]^T`` (one GEMM), ``h * scaling`` (rank-r
+        columns), one TP communication of ``h``, then ``h @ B^T`` with the block-structured B of
+        :meth:`lora_B_fused` (one GEMM). Each output row depends on its own slot's rank-r block only
+        (the other blocks of its B row are exact zeros), so this is the per-slot computation of
+        :meth:`lora_delta_per_slot` up to summation order. With active dropout each slot keeps its own
+        dropout mask, as PEFT's separate modules do: the A GEMMs then run per slot on their own
+        dropped input (the rest stays fused).
+        """
+        x = self.lora_input(x)
+        if len(self.lora_slots) > 1 and _dropout_active(self.lora_dropout):
+            h = torch.cat([F.linear(self.lora_dropout(x), self.lora_A[s]) for s in self.lora_slots], dim=-1)
+        else:
+            h = F.linear(self.lora_dropout(x), self.lora_A_fused())
+        h = self._lora_comm(self._lora_scale(h))
+        return F.linear(h, self.lora_B_fused())
+
+    def lora_A_fused(self) -> torch.Tensor:
+        """The slots' A factors stacked on the rank axis, [sum(r), in] (the parameter itself for one slot)."""
+        if len(self.lora_slots) == 1:
+            return self.lora_A[self.lora_slots[0]]
+        return torch.cat([self.lora_A[s] for s in self.lora_slots])
+
+    def lora_B_fused(self) -> torch.Tensor:
+        """B of all slots in the base output layout, [output rows of this rank, sum(r)], column block
+        of each slot in :attr:`lora_slots` order, zeros elsewhere (untargeted projections are zero rows).
+
+        One gather of a cached permutation over [every B, flattened; a block of zeros] builds it (its
+        backward is the inverse gather): two small kernels forward and one backward, whatever the slots.
+        """
+        slots = SITE_SLOTS[self.lora_site]
+        if len(slots) == 1:
+            return self.lora_B[slots[0]]
+        b = self.lora_B[self.lora_slots[0]]
+        layout = _fused_b_layout(self._lora_b_key(), b.device)
+        zeros = _zeros(layout.zeros, b.dtype, b.device)
+        flat = torch.cat([*(self.lora_B[s].reshape(-1) for s in self.lora_slots), zeros])
+        return _Gather.apply(flat, layout.index, layout.inverse).view(layout.rows, layout.cols)
+
+    def _lora_b_key(self) -> tuple:
+        """What the fused-B layout depends on (hashable; shared by every layer of the same shape)."""
+        tp = self.lora_tp_size if self.lora_parallel == "column" else 1
+        groups = self.config.num_query_groups // tp if self.lora_site == "linear_qkv" else 1
+        rows = tuple((s, self.lora_out_sizes[s] // tp) for s in SITE_SLOTS[self.lora_site])
+        ranks = tuple((s, self.lora_spec[s].r) for s in self.lora_slots)
+        return (self.lora_site, rows, ranks, groups)
+
+    def _lora_scale(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` (rank-sum columns in slot order) times each slot's scaling: one small multiply (none
+        for scaling 1), a Python scalar so that bf16 activations are scaled in fp32 as before."""
+        scalings = [self.lora_spec[s].scaling for s in self.lora_slots]
+        if len(set(scalings)) == 1:
+            return h if scalings[0] == 1.0 else h * scalings[0]
+        ranks = [self.lora_spec[s].r for s in self.lora_slots]
+        return torch.cat([hs * c for hs, c in zip(h.split(ranks, dim=-1), scalings, strict=True)], dim=-1)
+
+    def lora_delta_per_slot(self, x: torch.Tensor) -> torch.Tensor:
+        """The unfused reference of :meth:`lora_delta`: per slot an A GEMM, a TP communication, a B
+        GEMM and a full-size ``scaling`` multiply, then the fused layout with zero-filled parts (what
+        the forward did before the fusion; kept for tests and bench/lora_ops.py)."""
         x = self.lora_input(x)
         deltas = {}
         for slot in self.lora_slots:
@@ -237,6 +307,115 @@ class LoraLayerMixin:
             dp_cp_group=metadata.get("dp_cp_group"),
         )
         return out
+
+
+def _dropout_active(dropout: torch.nn.Module) -> bool:
+    return isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0
+
+
+class _Gather(torch.autograd.Function):
+    """``src[index]`` for a permutation ``index`` of ``src``; the backward is the gather by its inverse
+    (one kernel, deterministic), not the zero-fill and scatter-add of ``index_select``'s backward."""
+
+    @staticmethod
+    def forward(ctx, src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return src.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+class _BLayout:
+    """Where each element of the fused B comes from: ``index`` (int32, on the device) into
+    [B of each targeted slot, flattened, in slot order; ``zeros`` zeros], ``inverse`` its inverse."""
+
+    def __init__(self, key: tuple):
+        _site, rows, ranks, groups = key
+        rank, col0, start, cols, nnz = dict(ranks), {}, {}, 0, 0
+        for slot, r in ranks:  # slot order: its column block in B, its offset in the flat source
+            col0[slot], start[slot] = cols, nnz
+            cols, nnz = cols + r, nnz + dict(rows)[slot] * r
+        parts = []
+        for slot, n in rows:  # output row blocks in the site's order
+            block = torch.full((n, cols), -1, dtype=torch.int64)
+            if slot in rank:
+                r = rank[slot]
+                block[:, col0[slot] : col0[slot] + r] = start[slot] + torch.arange(n * r).view(n, r)
+            parts.append(block.view(groups, n // groups, cols))
+        index = torch.cat(parts, dim=1).view(-1, cols)  # QKV: [q; k; v] of each query group in turn
+        zero = index < 0
+        index[zero] = nnz + torch.arange(int(zero.sum()))
+        self.rows, self.cols, self.zeros = index.shape[0], cols, int(zero.sum())
+        self.index = index.view(-1)
+        self.inverse = torch.argsort(self.index)
+
+
+@functools.cache
+def _fused_b_layout(key: tuple, device: torch.device) -> _BLayout:
+    """The fused-B layout of ``key`` (see :meth:`LoraLayerMixin._lora_b_key`) with its index tensors
+    on ``device``; one per distinct layer shape, shared by all layers of that shape."""
+    layout = _BLayout(key)
+    layout.index = layout.index.to(device=device, dtype=torch.int32)
+    layout.inverse = layout.inverse.to(device=device, dtype=torch.int32)
+    return layout
+
+
+@functools.cache
+def _zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A constant block of ``n`` zeros (never written: it only feeds the fused-B gather)."""
+    return torch.zeros(n, dtype=dtype, device=device)
+
+
+def expert_delta_loop(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, splits: list[int], scaling: float
+) -> torch.Tensor:
+    """Routed-expert adapter delta, one expert at a time: ``scaling * B_e(A_e(x_e))`` for each expert's
+    token block ``x_e`` (``splits``), two GEMMs and a multiply per expert. The exact math of the
+    reference; used where :func:`expert_delta_grouped` cannot run."""
+    parts = torch.split(x, splits)
+    return torch.cat([F.linear(F.linear(xe, a[e]), b[e]) * scaling for e, xe in enumerate(parts)])
+
+
+def expert_delta_grouped(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, splits: list[int], scaling: float
+) -> torch.Tensor:
+    """The same delta with two grouped GEMMs for all experts (``torch._grouped_mm``, offsets = the
+    token blocks' ends; an expert without tokens is an empty group and gets zero gradients) and one
+    ``scaling`` multiply of the rank-r activation.
+
+    Why this and not a padded ``bmm``: the grouped GEMM reads the routed tokens where they are, while a
+    padded bmm copies every block into an [experts, max tokens, hidden] buffer (and back), sized by the
+    busiest expert, which is several times the routed tokens when routing is uneven, and needs the
+    largest block on the host. Rows past the last offset would be left unwritten by ``_grouped_mm``;
+    there are none, the offsets end at ``x.shape[0]``.
+    """
+    ends = list(itertools.accumulate(splits))
+    offs = torch.tensor(ends, dtype=torch.int32, device=x.device)
+    h = torch._grouped_mm(x, a.transpose(-2, -1), offs=offs)
+    if scaling != 1.0:
+        h = h * scaling
+    return torch._grouped_mm(h, b.transpose(-2, -1), offs=offs)
+
+
+def grouped_mm_fits(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, splits: list[int]) -> bool:
+    """Whether :func:`expert_delta_grouped` runs here: torch's grouped GEMM (CUDA sm90, bf16, every
+    row stride a multiple of 16 bytes) on a 2-D token block of at least one token. Blackwell is left
+    to the loop: its grouped GEMM gave non-zero gradients for zero-token experts (pytorch#172439)."""
+    if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.dim() != 2 or not x.shape[0]:
+        return False
+    if not x.dtype == a.dtype == b.dtype == torch.bfloat16 or sum(splits) != x.shape[0]:
+        return False
+    if _device_capability(x.device)[0] != 9 or x.stride(-1) != 1:
+        return False
+    return all(n % 8 == 0 for n in (x.stride(0), a.shape[-1], a.shape[-2], b.shape[-2]))
+
+
+@functools.cache
+def _device_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def _grouped_sharded(factors: dict, prefix: str, sharded_offsets: tuple, local_experts: int) -> dict:

@@ -1,10 +1,12 @@
 """LoRA wrappers of megatron-core's Transformer Engine linears (imported only on the TE path).
 
-Same factors and TP rules as :mod:`twinkle_specs.lora.layers`. The norm-fused linear feeds its adapter
-the *normalised* input, recomputed here from its own ``layer_norm_weight`` (an RMSNorm over the
-hidden size, cheap next to the GEMM) so the LoRA branch does not depend on TE's
-``return_layernorm_output`` gradient conventions. Grouped-GEMM experts hold per-expert factors stacked on
-dim 0 and apply them to each expert's token block (``m_splits``).
+Same factors, TP rules and fused slot computation as :mod:`twinkle_specs.lora.layers`. The norm-fused
+linear feeds its adapter the *normalised* input, recomputed here from its own ``layer_norm_weight`` (an
+RMSNorm over the hidden size, one fused kernel, cheap next to the GEMM) so the LoRA branch does not
+depend on TE's ``return_layernorm_output`` gradient conventions (nor on its sequence-parallel and FP8
+handling of that output). Grouped-GEMM experts hold per-expert factors stacked on dim 0 and apply them
+to each expert's token block (``m_splits``) with torch's grouped GEMM where it runs (CUDA sm90, bf16),
+else one expert at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +23,19 @@ from megatron.core.extensions.transformer_engine import (
     TERowParallelLinear,
 )
 
-from .layers import LoraLayerMixin, LoraLinearMixin
+from .layers import (
+    LoraLayerMixin,
+    LoraLinearMixin,
+    expert_delta_grouped,
+    expert_delta_loop,
+    grouped_mm_fits,
+)
+
+
+def _use_grouped_mm(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, splits: list[int]) -> bool:
+    """One grouped GEMM per factor for all experts where torch has it for these tensors (CUDA sm90,
+    bf16), else the per-expert loop (CPU, fp32, other GPUs); tests replace this to force either."""
+    return grouped_mm_fits(x, a, b, splits)
 
 
 class LoraTELayerNormColumnParallelLinear(LoraLinearMixin, TELayerNormColumnParallelLinear):
@@ -30,14 +44,22 @@ class LoraTELayerNormColumnParallelLinear(LoraLinearMixin, TELayerNormColumnPara
     lora_parallel = "column"
 
     def lora_input(self, x: torch.Tensor) -> torch.Tensor:
-        # The same norm megatron configured TE with (normalization, epsilon, zero-centred gamma).
+        """The same norm megatron configured TE with (normalization, epsilon, zero-centred gamma).
+
+        ``F.rms_norm`` in the input's dtype computes in fp32 internally (torch's composite upcasts,
+        the CUDA kernel accumulates in fp32) and rounds once at the end, like the explicit
+        ``x.float()`` ... ``.to(x.dtype)`` it replaces, without the two full-size casts; on CUDA it
+        is one fused kernel each way. A zero-centred gamma (``1 + w``, which bf16 cannot hold
+        exactly) or a weight of another dtype keeps the explicit fp32 computation.
+        """
         config = self.config
         if config.normalization != "RMSNorm":
             raise NotImplementedError(f"LoRA on a {config.normalization}-fused linear: Qwen uses RMSNorm")
-        weight = self.layer_norm_weight.float()
-        if config.layernorm_zero_centered_gamma:
-            weight = weight + 1
-        return F.rms_norm(x.float(), (x.shape[-1],), weight, config.layernorm_epsilon).to(x.dtype)
+        weight, eps = self.layer_norm_weight, config.layernorm_epsilon
+        if not config.layernorm_zero_centered_gamma and weight.dtype == x.dtype:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        weight = weight.float() + 1 if config.layernorm_zero_centered_gamma else weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
 
 
 class LoraTEColumnParallelLinear(LoraLinearMixin, TEColumnParallelLinear):
@@ -81,15 +103,10 @@ class _LoraTEGroupedLinear(LoraLayerMixin):
         if self.lora_merged or not self.lora_slots:
             return out, bias
         splits = m_splits.tolist() if torch.is_tensor(m_splits) else list(m_splits)
-        deltas = []
-        for expert, xe in enumerate(torch.split(x, splits)):
-            per_slot = {
-                s: F.linear(F.linear(xe, self.lora_A[s][expert]), self.lora_B[s][expert])
-                * self.lora_spec[s].scaling
-                for s in self.lora_slots
-            }
-            deltas.append(self._lora_fuse(per_slot))
-        return out + torch.cat(deltas).to(out.dtype), bias
+        (slot,) = self.lora_slots  # routed-expert sites have one slot (gate_up_proj, down_proj)
+        a, b, scaling = self.lora_A[slot], self.lora_B[slot], self.lora_spec[slot].scaling
+        delta = expert_delta_grouped if _use_grouped_mm(x, a, b, splits) else expert_delta_loop
+        return out + delta(x, a, b, splits, scaling).to(out.dtype), bias
 
 
 class LoraTEColumnParallelGroupedLinear(_LoraTEGroupedLinear, TEColumnParallelGroupedLinear):

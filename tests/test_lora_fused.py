@@ -1,0 +1,297 @@
+"""The fused adapter computation (one A GEMM, one communication, one block-structured B GEMM per
+linear; grouped GEMM for routed experts; RMSNorm in the input dtype) against the plain per-slot
+reference it replaced, on CPU in fp32 (portable layers in-process, TP=2 on gloo ranks, TE wrappers over
+the stand-ins of test_lora_te_standin.py), and the CUDA grouped GEMM in bf16 (GPU-marked).
+
+Tolerances: fp32, same products summed in another order and ``scaling`` applied to the rank-r
+activation instead of the output, so values agree to a few fp32 ulps: max |Δ| <= 1e-5 relative to the
+largest value compared (measured on torch 2.13 CPU, outputs and gradients: <= 2.6e-7 at TP=1,
+<= 1.5e-7 at TP=2 with and without sequence parallelism, <= 1.6e-7 grouped GEMM vs loop).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_lora_support import run_ranks, single_rank  # noqa: F401  (fixture)
+from test_lora_te_standin import te  # noqa: F401  (fixture)
+
+from twinkle_specs.lora import layers
+from twinkle_specs.lora.config import SlotSpec
+
+REL_TOL = 1e-5
+WORKER = Path(__file__).parent / "test_lora_fused_worker.py"
+S = SlotSpec
+
+CASES = {
+    # site, slots, (input size, output size) of the base linear
+    "qkv-full": ("linear_qkv", dict(q_proj=S(4, 8, False), k_proj=S(4, 8, False), v_proj=S(4, 8, False))),
+    "qkv-q-v": ("linear_qkv", dict(q_proj=S(4, 8, False), v_proj=S(4, 8, False))),
+    "qkv-k-only": ("linear_qkv", dict(k_proj=S(4, 16, False))),
+    # rank_pattern / alpha_pattern / rsLoRA: other ranks and scalings per slot
+    "qkv-ranks": ("linear_qkv", dict(q_proj=S(8, 16, False), k_proj=S(2, 8, True), v_proj=S(5, 3, False))),
+    "fc1-full": ("linear_fc1", dict(gate_proj=S(4, 8, False), up_proj=S(4, 8, False))),
+    "fc1-up-only": ("linear_fc1", dict(up_proj=S(4, 8, False))),
+    "fc1-ranks": ("linear_fc1", dict(gate_proj=S(2, 4, False), up_proj=S(6, 6, True))),
+    "proj-row": ("linear_proj", dict(o_proj=S(4, 8, False))),
+    "fc2-row-scaling-1": ("linear_fc2", dict(down_proj=S(4, 4, False))),
+}
+SIZES = {"linear_qkv": (32, 128), "linear_fc1": (32, 96), "linear_proj": (64, 32), "linear_fc2": (48, 32)}
+
+
+def _config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    # GQA: 8 query heads in 4 groups of head_dim 8 -> linear_qkv rows [q 64 | k 32 | v 32] per 4 groups
+    base = dict(num_layers=1, hidden_size=32, num_attention_heads=8, num_query_groups=4, kv_channels=8)
+    return TransformerConfig(**base, use_cpu_initialization=True, **kw)
+
+
+def _portable(site: str, slots: dict, dropout: float = 0.0, config=None):
+    config = config or _config()
+    cls = (
+        layers.LoraRowParallelLinear
+        if site in ("linear_proj", "linear_fc2")
+        else layers.LoraColumnParallelLinear
+    )
+    kw = dict(input_is_parallel=True) if cls is layers.LoraRowParallelLinear else dict(gather_output=False)
+    n_in, n_out = SIZES[site]
+    layer = cls(
+        n_in,
+        n_out,
+        config=config,
+        init_method=torch.nn.init.normal_,
+        bias=False,
+        skip_bias_add=True,
+        lora_site=site,
+        lora_slots=slots,
+        lora_dropout=dropout,
+        **kw,
+    )
+    _randomize(layer)
+    return layer
+
+
+def _randomize(layer, seed: int = 5) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in (*layer.lora_A.values(), *layer.lora_B.values()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def _factors(layer) -> list[torch.Tensor]:
+    return [*layer.lora_A.values(), *layer.lora_B.values()]
+
+
+def _run(layer, fn, x: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+    """fn(x) and the gradients of <fn(x), grad> with respect to x and every factor."""
+    x = x.detach().clone().requires_grad_(True)
+    for p in _factors(layer):
+        p.grad = None
+    y = fn(x)
+    (y * grad).sum().backward()
+    return [y.detach(), x.grad, *(p.grad for p in _factors(layer))]
+
+
+def _rel(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """Largest |Δ| over all tensors, relative to the largest |value| of the reference."""
+    scale = max(w.abs().max().item() for w in want)
+    assert scale > 0
+    return max((g - w).abs().max().item() for g, w in zip(got, want, strict=True)) / scale
+
+
+@pytest.mark.parametrize("site,slots", list(CASES.values()), ids=list(CASES))
+def test_fused_equals_per_slot_reference(site, slots, single_rank):  # noqa: F811
+    layer = _portable(site, slots)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 2, SIZES[site][0], generator=g)
+    grad = torch.randn(6, 2, SIZES[site][1], generator=g)
+    fused = _run(layer, layer.lora_delta, x, grad)
+    ref = _run(layer, layer.lora_delta_per_slot, x, grad)
+    assert _rel(fused, ref) <= REL_TOL
+    assert fused[0].abs().max() > 0.1  # a real delta, and every factor got a real gradient
+    assert all(t.abs().max() > 0 for t in fused[1:])
+    # The layer's own forward adds the fused delta to the base output.
+    out, _ = layer(x)
+    base = F.linear(x, layer.weight)
+    assert (out - base - ref[0]).abs().max().item() <= REL_TOL * ref[0].abs().max().item()
+
+
+def test_fused_b_layout(single_rank):  # noqa: F811
+    """The fused B: each slot's B in its own column block and its own output rows (QKV interleaved per
+    query group), exact zeros elsewhere; one layout object shared by layers of the same shape."""
+    slots = dict(q_proj=S(3, 8, False), v_proj=S(2, 8, False))
+    layer = _portable("linear_qkv", slots)
+    b = layer.lora_B_fused()
+    assert b.shape == (128, 5)
+    q, v = layer.lora_B["q_proj"], layer.lora_B["v_proj"]
+    groups = b.view(4, 32, 5)  # per query group: 16 q rows, 8 k rows, 8 v rows
+    assert torch.equal(groups[:, :16, :3], q.view(4, 16, 3))
+    assert torch.equal(groups[:, 24:, 3:], v.view(4, 8, 2))
+    mask = torch.ones(4, 32, 5, dtype=torch.bool)
+    mask[:, :16, :3] = False
+    mask[:, 24:, 3:] = False
+    assert torch.equal(groups[mask], torch.zeros(int(mask.sum())))
+    other = _portable("linear_qkv", slots)
+    assert layers._fused_b_layout(other._lora_b_key(), torch.device("cpu")) is layers._fused_b_layout(
+        layer._lora_b_key(), torch.device("cpu")
+    )
+
+
+def test_dropout_keeps_a_mask_per_slot(single_rank):  # noqa: F811
+    """With dropout each slot draws its own mask (PEFT's separate modules), in slot order: the fused
+    forward equals the reference under the same RNG state; in eval mode there is no dropout at all."""
+    slots = dict(q_proj=S(4, 8, False), k_proj=S(2, 8, False), v_proj=S(4, 8, False))
+    layer = _portable("linear_qkv", slots, dropout=0.3)
+    x = torch.randn(6, 2, 32)
+    grad = torch.randn(6, 2, 128)
+    torch.manual_seed(7)
+    fused = _run(layer, layer.lora_delta, x, grad)
+    torch.manual_seed(7)
+    ref = _run(layer, layer.lora_delta_per_slot, x, grad)
+    assert _rel(fused, ref) <= REL_TOL
+    layer.eval()
+    no_dropout = _portable("linear_qkv", slots)
+    assert isinstance(no_dropout.lora_dropout, torch.nn.Identity)
+    with torch.no_grad():
+        assert _rel([layer.lora_delta(x)], [no_dropout.lora_delta(x)]) <= REL_TOL
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_fused_equals_per_slot_at_tp2(sp, tmp_path):
+    """TP=2 (gloo): QKV with GQA (2 query groups per rank), fc1 and the row-parallel linears, full and
+    partial targets, different ranks; with sequence parallelism the rank-r activation is all-gathered
+    (column) or reduce-scattered (row) once for all slots."""
+    run_ranks(2, WORKER, "--out", str(tmp_path), *(["--sp"] if sp else []))
+    worst = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(len(w) == 5 for w in worst), worst
+    assert max(v for w in worst for v in w.values()) <= REL_TOL, worst
+
+
+# -- routed experts (TE grouped linear over stand-ins) -------------------------------------------------
+
+SPLITS = [3, 0, 5, 0, 1, 0]  # zero-token experts in the middle and at the end
+
+
+def _experts(te, site="experts.linear_fc1", n_in=32, n_out=24, r=4):  # noqa: F811
+    cls = te.LoraTEColumnParallelGroupedLinear if site.endswith("fc1") else te.LoraTERowParallelGroupedLinear
+    layer = cls(
+        len(SPLITS),
+        n_in,
+        n_out,
+        config=_config(),
+        is_expert=True,
+        lora_site=site,
+        lora_slots={layers.SITE_SLOTS[site][0]: S(r, 2 * r + 1, False)},
+        lora_dropout=0.0,
+    )
+    _randomize(layer)
+    return layer
+
+
+@pytest.mark.parametrize("site", ["experts.linear_fc1", "experts.linear_fc2"])
+def test_grouped_experts_grouped_mm_equals_loop(te, site, single_rank, monkeypatch):  # noqa: F811
+    """torch's grouped GEMM (forced here: on CPU it runs torch's own fallback kernel) equals the
+    per-expert loop, zero-token experts included (zero gradients for them)."""
+    layer = _experts(te, site)
+    assert not layers.grouped_mm_fits(torch.randn(9, 32), layer.lora_A[layer.lora_slots[0]], layer.lora_B[layer.lora_slots[0]], SPLITS)  # fmt: skip
+    x = torch.randn(sum(SPLITS), 32)
+    grad = torch.randn(sum(SPLITS), 24)
+
+    def forward(x):
+        return layer(x, SPLITS)[0]
+
+    monkeypatch.setattr(te, "_use_grouped_mm", lambda *a: False)
+    loop = _run(layer, forward, x, grad)
+    monkeypatch.setattr(te, "_use_grouped_mm", lambda *a: True)
+    grouped = _run(layer, forward, x, grad)
+    assert _rel(grouped, loop) <= REL_TOL
+    (slot,) = layer.lora_slots
+    for p in (layer.lora_A[slot], layer.lora_B[slot]):
+        assert torch.equal(p.grad[[1, 3, 5]], torch.zeros_like(p.grad[[1, 3, 5]]))
+        assert all(p.grad[e].abs().max() > 0 for e in (0, 2, 4))
+    # The loop is the former per-expert math: scaling * B_e(A_e(x_e)).
+    a, b, s = layer.lora_A[slot], layer.lora_B[slot], layer.lora_spec[slot].scaling
+    blocks = torch.split(x, SPLITS)
+    want = torch.cat([F.linear(F.linear(xe, a[e]), b[e]) * s for e, xe in enumerate(blocks)])
+    assert torch.equal(layers.expert_delta_loop(x, a, b, SPLITS, s), want)
+
+
+def test_grouped_experts_without_tokens(te, single_rank):  # noqa: F811
+    """No token for any local expert: the loop runs (no grouped GEMM over nothing) and the factors
+    still get (zero) gradients, so every rank's DDP buckets see them."""
+    layer = _experts(te)
+    x = torch.randn(0, 32, requires_grad=True)
+    out, _ = layer(x, [0] * len(SPLITS))
+    out.sum().backward()
+    assert out.shape == (0, 24)
+    assert all(p.grad is not None and not p.grad.any() for p in _factors(layer))
+
+
+def test_norm_fused_adapter_input_in_input_dtype(te, single_rank):  # noqa: F811
+    """RMSNorm of the adapter input in bf16 (no explicit fp32 round trip) equals the fp32 computation
+    cast back, bit for bit on CPU (torch computes bf16 RMSNorm in fp32), values and input gradients."""
+    layer = te.LoraTELayerNormColumnParallelLinear(
+        32,
+        128,
+        config=_config(normalization="RMSNorm"),
+        lora_site="linear_qkv",
+        lora_slots={"q_proj": S(4, 8, False)},
+        lora_dropout=0.0,
+    )
+    with torch.no_grad():
+        layer.layer_norm_weight.data = (torch.rand(32) + 0.5).bfloat16()
+    x = (torch.randn(6, 2, 32) * 3).bfloat16()
+    grad = torch.randn(6, 2, 32).bfloat16()
+    x1 = x.clone().requires_grad_(True)
+    y1 = layer.lora_input(x1)
+    (y1.float() * grad.float()).sum().backward()
+    x2 = x.clone().requires_grad_(True)
+    eps = layer.config.layernorm_epsilon
+    y2 = F.rms_norm(x2.float(), (32,), layer.layer_norm_weight.float(), eps).to(torch.bfloat16)
+    (y2.float() * grad.float()).sum().backward()
+    assert y1.dtype == torch.bfloat16
+    assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad)
+
+
+# -- GPU: torch's grouped GEMM in bf16 -------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch grouped GEMM, sm90, bf16)")
+def test_grouped_mm_bf16_cuda_matches_loop():
+    """The CUDA grouped-GEMM path in bf16 (Qwen3-30B-A3B-like expert fc1 shape, r=16, uneven routing
+    with zero-token experts) against the per-expert loop: both judged against the fp32 loop."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("torch's grouped GEMM path is enabled on sm90 (H100/H200) only")
+    g = torch.Generator().manual_seed(0)
+    experts, n_in, n_out, r = 16, 2048, 1536, 32
+    splits = [int(v) for v in torch.randint(0, 300, (experts,), generator=g)]
+    splits[1] = splits[7] = splits[-1] = 0
+    x32 = torch.randn(sum(splits), n_in, generator=g)
+    a32 = torch.randn(experts, r, n_in, generator=g) * n_in**-0.5
+    b32 = torch.randn(experts, n_out, r, generator=g) * 0.1
+    grad32 = torch.randn(sum(splits), n_out, generator=g)
+
+    def run(fn, dtype):
+        x, a, b = (t.to("cuda", dtype).requires_grad_(True) for t in (x32, a32, b32))
+        y = fn(x, a, b, splits, 2.0)
+        (y.float() * grad32.cuda()).sum().backward()
+        return [t.float().cpu() for t in (y, x.grad, a.grad, b.grad)]
+
+    bf16 = (x32.cuda().bfloat16(), a32.cuda().bfloat16(), b32.cuda().bfloat16())
+    assert layers.grouped_mm_fits(*bf16, splits)
+    truth = run(layers.expert_delta_loop, torch.float32)
+    grouped = run(layers.expert_delta_grouped, torch.bfloat16)
+    loop = run(layers.expert_delta_loop, torch.bfloat16)
+    for name, t, gr, lo in zip(("out", "dx", "dA", "dB"), truth, grouped, loop, strict=True):
+        cos = F.cosine_similarity(gr.flatten().double(), t.flatten().double(), dim=0).item()
+        assert cos >= 0.999, (name, cos)
+        # no worse than the loop in bf16 (up to bf16 rounding of either)
+        assert (gr - t).abs().max() <= 2 * (lo - t).abs().max() + 1e-2 * t.abs().max(), name
+    for t in grouped[2:]:
+        assert not t[[1, 7, experts - 1]].any()  # zero-token experts: exactly zero gradient
