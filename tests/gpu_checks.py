@@ -16,6 +16,9 @@ FP32_MOE_MAX_ABS = 0.25
 FP32_MEAN_ABS = 1e-3
 FP32_MIN_COSINE = 0.99999
 BF16_MIN_COSINE = 0.999
+# bf16 rounds at different points on each side, so both are judged against the fp32 truth: ours must be
+# as close to it as the reference library's own bf16 run is (mean |Δ| within 1.5x).
+BF16_ERROR_RATIO = 1.5
 
 
 class Evidence:

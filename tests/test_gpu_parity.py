@@ -15,7 +15,7 @@ from gpu_checks import (
     FP32_MOE_MAX_ABS,
     Evidence,
 )
-from models import batch
+from models import YARN_SEQ, batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -70,6 +70,30 @@ def test_te_path_matches_transformers(kind, dtype, checkpoints, single_gpu):
     )
     assert ours_err.mean_abs <= BF16_ERROR_RATIO * hf_err.mean_abs, (ours_err, hf_err)
     assert ours_err.cosine >= BF16_MIN_COSINE, ours_err
+
+
+@pytest.mark.parametrize("kind", ["qwen3_yarn", "qwen2_yarn", "qwen3_yarn_mscale", "qwen3_moe_yarn"])
+def test_te_path_yarn_matches_transformers(kind, checkpoints, single_gpu):
+    """YaRN on the TE path (megatron-core's YarnRotaryEmbedding on the GPU, its unfused RoPE with the
+    attention factor, TE core attention), fp32, 3x past original_max_position_embeddings."""
+    from transformers import AutoModelForCausalLM
+
+    import twinkle_specs as ts
+    from twinkle_specs.parity import compare_logits
+
+    hf = checkpoints(kind)
+    model = ts.build_model(hf, params_dtype=torch.float32, parallel_output=False).eval()
+    assert model.config.transformer_impl == "transformer_engine" and model.position_embedding_type == "yarn"
+    assert not model.config.apply_rope_fusion  # TE's fused RoPE cannot apply the attention factor
+    tokens = batch(s=YARN_SEQ).cuda()
+    with torch.no_grad():
+        ours = model(tokens, torch.arange(tokens.shape[1], device="cuda").expand_as(tokens), None)
+        ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).cuda().eval()(tokens).logits
+    stats = compare_logits(ours, ref)
+    EVIDENCE.record(f"{kind}-float32-seq{YARN_SEQ}", **stats.as_dict())
+    assert stats.max_abs <= (FP32_MOE_MAX_ABS if "moe" in kind else FP32_MAX_ABS), stats
+    assert stats.mean_abs <= FP32_MEAN_ABS, stats
+    assert stats.cosine >= FP32_MIN_COSINE, stats
 
 
 def test_embedded_default_bf16(single_gpu):

@@ -36,6 +36,9 @@ def two_gpus():
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory):
     """Small checkpoints with a real byte-level BPE tokenizer saved beside them, and a corpus."""
+    # peft imports Transformer Engine lazily; loading TE's core library after torch has initialised CUDA
+    # fails on the GPU machine (cuDNN: undefined symbol in libcudnn_heuristic), so load it first.
+    import transformer_engine  # noqa: F401
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -134,10 +137,14 @@ def hf_loss(hf: Path, dump_dir: Path, adapter: Path | None = None) -> float:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter).eval()
+    batches: dict[str, dict] = {}  # dp<D>-mb<N> -> tokens (first stage) and labels (last stage)
+    for f in sorted(dump_dir.glob("dp*-mb*-pp*.pt")):
+        part = torch.load(f)
+        merged = batches.setdefault(f.name.rsplit("-pp", 1)[0], {})
+        merged.update({k: v for k, v in part.items() if v is not None})
     losses = []
     with torch.no_grad():
-        for f in sorted(dump_dir.glob("*-mb*.pt")):
-            batch = torch.load(f)
+        for batch in batches.values():
             logits = model(batch["tokens"].cuda()).logits.float()
             losses.append(
                 torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].cuda().flatten())
@@ -368,6 +375,6 @@ def test_ray_script_trains_tp2_lora_on_two_gpus(e2e):
     ]
     cmd += ["--entry", f"{sys.executable} -m twinkle_specs.launch", "--", *flags]
     losses, log = run_logged(cmd, "ray-tp2", env)
-    ranks = sorted((root / "logs").glob("rank_*.log"))
+    ranks = sorted((root / "logs").glob("attempt_0/rank_*.log"))
     assert len(ranks) == 2, ranks
     _check_first_loss("ray-lora-tp2", losses, hf, dump)

@@ -5,7 +5,7 @@ TP=2 with sequence parallelism through megatron's DDP, finalize_model_grads and 
 Tolerances: fp32 runs TE's TF32 GEMMs against PEFT's fp32 eager ops, so logits are held to the limits
 measured for the base TE path (max |Δ| 1e-2, 0.25 for MoE routing flips, mean |Δ| 1e-3, cosine >=
 0.99999); bf16 logits are judged against the
-fp32 truth (cosine >= 0.999). Gradients: max |Δ| <= 1e-2 of the largest gradient. The measured
+fp32 truth: mean |Δ| within 1.5x of peft's own bf16 run, and cosine >= 0.999 for dense models. Gradients: max |Δ| <= 1e-2 of the largest gradient. The measured
 statistics are written to $TWINKLE_EVIDENCE_DIR/lora-gpu.json when that is set.
 """
 
@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gpu_checks import (
+    BF16_ERROR_RATIO,
     BF16_MIN_COSINE,
     FP32_MAX_ABS,
     FP32_MEAN_ABS,
@@ -83,7 +84,9 @@ def _peft_adapter(hf: Path, out: Path, **targets):
     randomize_peft(model, std=0.05)
     model.save_pretrained(out)
     with torch.no_grad():
-        return model(tokens(s=64)).logits
+        truth = model(tokens(s=64)).logits
+        bf16 = model.to(torch.bfloat16)(tokens(s=64)).logits.float()  # peft's own bf16 error, for scale
+    return truth, bf16
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -133,7 +136,7 @@ def test_te_lora_matches_peft(kind, targets, extra, dtype, ckpt, gpu, tmp_path):
     from twinkle_specs import LoraConfig
 
     hf = ckpt(kind)
-    truth = _peft_adapter(hf, tmp_path, **targets)
+    truth, peft_bf16 = _peft_adapter(hf, tmp_path, **targets)
     model = ts.build_model(
         hf,
         lora=LoraConfig.from_peft(tmp_path),
@@ -148,18 +151,26 @@ def test_te_lora_matches_peft(kind, targets, extra, dtype, ckpt, gpu, tmp_path):
     ts.load_peft_adapter(model, tmp_path)
     ours = _logits(model, tokens(s=64))
     assert (truth - before).abs().max() > 0.05, "the adapter barely changes the logits: test is vacuous"
-    EVIDENCE.record(
-        f"{kind}-{'-'.join(sorted(str(v) for v in targets.values()))}-{extra}-{dtype}",
+    stats = dict(
         max_abs=(ours - truth).abs().max().item(),
         mean_abs=(ours - truth).abs().mean().item(),
         cosine=_cosine(ours, truth),
     )
+    if dtype == torch.bfloat16:
+        stats |= dict(
+            peft_bf16_mean_abs=(peft_bf16 - truth).abs().mean().item(),
+            peft_bf16_cosine=_cosine(peft_bf16, truth),
+        )
+    EVIDENCE.record(f"{kind}-{'-'.join(sorted(str(v) for v in targets.values()))}-{extra}-{dtype}", **stats)
     if dtype == torch.float32:
-        assert (ours - truth).abs().max().item() <= (FP32_MOE_MAX_ABS if "moe" in kind else FP32_MAX_ABS)
-        assert (ours - truth).abs().mean().item() <= FP32_MEAN_ABS
-        assert _cosine(ours, truth) >= FP32_MIN_COSINE
+        assert stats["max_abs"] <= (FP32_MOE_MAX_ABS if "moe" in kind else FP32_MAX_ABS), stats
+        assert stats["mean_abs"] <= FP32_MEAN_ABS, stats
+        assert stats["cosine"] >= FP32_MIN_COSINE, stats
     else:
-        assert _cosine(ours, truth) >= BF16_MIN_COSINE
+        # bf16 MoE routing flips move whole tokens, on both sides: judged by peft's own bf16 error.
+        assert stats["mean_abs"] <= BF16_ERROR_RATIO * stats["peft_bf16_mean_abs"], stats
+        if "moe" not in kind:
+            assert stats["cosine"] >= BF16_MIN_COSINE, stats
 
 
 def test_te_bf16_training_with_full_recompute(ckpt, gpu):
@@ -190,11 +201,15 @@ def test_te_bf16_training_with_full_recompute(ckpt, gpu):
         logits = model(toks, pos, None)[..., :VOCAB].float()
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), toks[:, 1:].reshape(-1))
         loss.backward()
-        if step == 0:
-            grads = [p.grad for p in adapter_parameters(model)]
-            assert all(g is not None and g.abs().max() > 0 for g in grads), (
-                "zero adapter grads under recompute"
-            )
+        # B starts at zero, so at step 0 only the B factors get a gradient (dL/dA = B^T ... = 0); after
+        # one optimizer step every factor must. Zero grads here would mean the recomputed block's
+        # backward never ran (its input, the frozen embedding's output, has no grad).
+        if step in (0, 1):
+            named = [(n, p) for n, p in model.named_parameters() if is_adapter_param(n)]
+            zero = [
+                n for n, p in named if (step == 1 or "lora_B" in n) and (p.grad is None or not p.grad.any())
+            ]
+            assert named and not zero, f"step {step}: zero adapter grads under full recompute: {zero[:5]}"
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0], losses

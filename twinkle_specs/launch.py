@@ -269,24 +269,34 @@ def _set_megatron_padded_vocab(rows: int) -> None:
 
 def _maybe_dump_batches(model) -> None:
     """With $TWINKLE_DUMP_BATCHES set to a directory, saves the tokens and labels of the first training
-    micro-batches this stage sees, so the iteration-1 loss can be checked against transformers."""
+    micro-batches this stage sees, so the iteration-1 loss can be checked against transformers.
+
+    Under pipeline parallelism Megatron-LM core_v0.19 gives the first stage no labels and the last stage
+    no tokens, so each stage saves what it has; files of one data-parallel rank and micro-batch share
+    the prefix ``dp<D>-mb<N>`` and together hold both."""
     from megatron.core import parallel_state as ps
 
     out = os.environ.get("TWINKLE_DUMP_BATCHES")
-    if not out or not model.pre_process or ps.get_tensor_model_parallel_rank() != 0:
+    if not out or not (model.pre_process or model.post_process) or ps.get_tensor_model_parallel_rank() != 0:
         return
     count = {"n": 0}
     limit = int(os.environ.get("TWINKLE_DUMP_BATCHES_COUNT", "8"))
 
     def hook(_module, args, kwargs):
-        labels = kwargs.get("labels")
-        if labels is None or count["n"] >= limit or not _module.training:
+        if count["n"] >= limit or not _module.training:
             return
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        tokens = kwargs.get("input_ids", args[0] if args else None) if model.pre_process else None
+        labels = kwargs.get("labels") if model.post_process else None
+        if tokens is None and labels is None:
+            return
         Path(out).mkdir(parents=True, exist_ok=True)
-        tokens = kwargs.get("input_ids", args[0] if args else None)
+        name = f"dp{ps.get_data_parallel_rank()}-mb{count['n']}-pp{ps.get_pipeline_model_parallel_rank()}.pt"
         torch.save(
-            {"tokens": tokens.cpu(), "labels": labels.cpu()}, Path(out) / f"rank{rank}-mb{count['n']}.pt"
+            {
+                "tokens": None if tokens is None else tokens.cpu(),
+                "labels": None if labels is None else labels.cpu(),
+            },
+            Path(out) / name,
         )
         count["n"] += 1
 
