@@ -5,7 +5,9 @@ gathers and reduce-scatters with ``device=torch.cuda.current_device()`` (five pl
 ``GlobalMemoryBuffer`` in ``core/utils.py`` that some of them use, so MoE token dispatch (which gathers
 along the sequence) and vocab-parallel logit gathers cannot run on a CPU host, even on gloo; and the
 ``torch_dist`` checkpoint writer calls ``torch.cuda.synchronize()`` and allocates its status tensors on
-``torch.cuda.current_device()``, so ``dist_checkpointing.save`` fails there too. The fix gives those
+``torch.cuda.current_device()``, so ``dist_checkpointing.save`` fails there too; and
+``YarnRotaryEmbedding.get_emb`` moves its frequencies to ``torch.cuda.current_device()`` (from its
+constructor on), so a YaRN GPTModel cannot even be built there. The fix gives those
 modules (:data:`MODULES`) a ``torch`` whose ``cuda.current_device()`` names the host and whose
 ``cuda.synchronize()`` is a no-op, only when CUDA is unavailable; everything else in them is the real
 torch, and GPU runs are untouched.
@@ -56,6 +58,7 @@ MODULES = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -48,12 +49,47 @@ _KINDS = {
         _MOE | dict(shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=False),
     ),
 }
+# YaRN: a short original context (32) so that YARN_SEQ tokens run well past it.
+YARN_SEQ = 96
+_YARN = dict(rope_type="yarn", original_max_position_embeddings=32)
+_KINDS |= {
+    # transformers' default attention factor 0.1 ln(factor) + 1.
+    "qwen3_yarn": (
+        Qwen3Config,
+        _KINDS["qwen3"][1]
+        | dict(max_position_embeddings=128, rope_parameters=_YARN | dict(factor=4.0, rope_theta=10000.0)),
+    ),
+    # Explicit attention_factor and correction-range betas, rope_theta 1e6.
+    "qwen2_yarn": (
+        Qwen2Config,
+        _KINDS["qwen2"][1]
+        | dict(
+            max_position_embeddings=96,
+            rope_parameters=_YARN
+            | dict(factor=3.0, attention_factor=1.25, beta_fast=16.0, beta_slow=2.0, rope_theta=1e6),
+        ),
+    ),
+    # factor null (-> max_position_embeddings / original), mscale/mscale_all_dim, no rounding of the range.
+    "qwen3_yarn_mscale": (
+        Qwen3Config,
+        _KINDS["qwen3"][1]
+        | dict(
+            rope_parameters=_YARN
+            | dict(factor=None, mscale=1.2, mscale_all_dim=0.8, truncate=False, rope_theta=10000.0)
+        ),
+    ),
+    "qwen3_moe_yarn": (
+        Qwen3MoeConfig,
+        _KINDS["qwen3_moe"][1]
+        | dict(max_position_embeddings=128, rope_parameters=_YARN | dict(factor=4.0, rope_theta=10000.0)),
+    ),
+}
 
 
 def qwen_config(kind: str, **overrides):
     """The tiny transformers config of ``kind``; ``overrides`` replace any field (vocab, layers, ...)."""
     cls, fields = _KINDS[kind]
-    return cls(**(_COMMON | fields | overrides))
+    return cls(**copy.deepcopy(_COMMON | fields | overrides))  # transformers edits rope_parameters in place
 
 
 CONFIGS = {kind: (lambda kind=kind: qwen_config(kind)) for kind in _KINDS}

@@ -75,7 +75,26 @@ def test_transformer_config_matches_flags(checkpoints):
         ({"architectures": ["LlamaForCausalLM"]}, "architectures"),
         ({"use_sliding_window": True}, "use_sliding_window"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_scaling"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 4.0, "rope_theta": 1e6}},
+            "rope_parameters.rope_type",
+        ),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type"),
+        ({"rope_parameters": {"rope_type": "default", "factor": 4.0}}, "rope_parameters.factor"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "low_freq_factor": 1}},
+            "rope_parameters.low_freq_factor",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor",
+        ),
+        ({"rope_parameters": {"full_attention": {"rope_type": "yarn"}}}, "rope_parameters.full_attention"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 1.0, "attention_factor": 1.3}},
+            "rope_parameters.attention_factor",
+        ),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": "4"}}, "rope_parameters.factor"),
         ({"some_new_field": 1}, "some_new_field"),
         ({"attention_bias": True}, "attention_bias"),
     ],
@@ -92,6 +111,20 @@ def test_moe_layer_patterns_rejected(checkpoints, tmp_path):
         ts.megatron_args_from_hf(bad)
 
 
+def test_yarn_config(checkpoints):
+    """YaRN's settings are yarn_* attributes of the TransformerConfig (megatron-core reads them with
+    getattr); transformers' explicit attention_factor becomes megatron-core's mscale."""
+    import math
+
+    cfg = ts.transformer_config_from_hf(checkpoints("qwen2_yarn"))
+    assert cfg.yarn_rotary_scaling_factor == 3.0 and cfg.yarn_original_max_position_embeddings == 32
+    assert cfg.yarn_beta_fast == 16.0 and cfg.yarn_beta_slow == 2.0 and cfg.yarn_correction_range_round_to_int
+    assert cfg.yarn_mscale_all_dim == 0.0
+    assert math.isclose(0.1 * cfg.yarn_mscale * math.log(3.0) + 1.0, 1.25, rel_tol=1e-12)
+    assert not cfg.apply_rope_fusion
+    assert not hasattr(ts.transformer_config_from_hf(checkpoints("qwen3")), "yarn_rotary_scaling_factor")
+
+
 def test_tp_must_divide_kv_groups(checkpoints):
     with pytest.raises(
         ValueError, match="num_query_groups=2 is not divisible by tensor_model_parallel_size=4"
@@ -105,7 +138,7 @@ def test_missing_config_json(tmp_path):
 
 
 def test_every_saved_field_has_a_policy(checkpoints):
-    for kind in ("qwen2", "qwen2_5", "qwen3", "qwen3_moe", "qwen2_moe"):
+    for kind in ("qwen2", "qwen2_5", "qwen3", "qwen3_moe", "qwen2_moe", "qwen3_yarn", "qwen2_yarn"):
         cfg = json.loads((checkpoints(kind) / "config.json").read_text())
         assert set(cfg) <= set(FIELD_POLICY), set(cfg) - set(FIELD_POLICY)
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_dist
-from models import CONFIGS, batch, hf_logits
+from models import CONFIGS, YARN_SEQ, batch, hf_logits
 from safetensors.torch import load_file
 
 import twinkle_specs as ts
 
-TOL = 1e-4  # max |Δ| of fp32 logits (measured: 0.0 on torch 2.13 CPU for every architecture)
+TOL = 1e-4  # max |Δ| of fp32 logits (measured: 0.0 on torch 2.13 CPU for every architecture, YaRN included)
 GPU_TOL = 1e-2  # TE on GPU (TF32 GEMMs) vs the fp32 CPU reference; measured 2.6e-3 at TP=2 and EP=2 on H200
 WORKER = Path(__file__).parent / "dist_worker.py"
 
@@ -28,7 +28,7 @@ def _load_all(d: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_logits_match_transformers(kind, checkpoints, megatron_single):
     hf = checkpoints(kind)
-    tokens = batch()
+    tokens = batch(s=YARN_SEQ if "yarn" in kind else 32)  # YaRN: 3x past original_max_position_embeddings
     model = ts.build_model(hf).eval()
     with torch.no_grad():
         ours = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)[

@@ -14,9 +14,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .hf_config import QwenArch, qwen_arch_from_hf
+from .hf_config import QwenArch, UnsupportedConfigError, qwen_arch_from_hf
 
 SPEC_FLAGS = ["--spec", "twinkle_specs", "qwen_layer_spec"]
+# GPTModel arguments, not TransformerConfig fields (build_model passes them from the QwenArch).
+GPT_MODEL_ARGS = ("max_position_embeddings", "rotary_base", "position_embedding_type")
+# Megatron-LM's YaRN flags (--position-embedding-type yarn, ...) exist from core_v0.19 on. megatron-core's
+# own YaRN settings are config attributes that GPTModel and the attention read with getattr (not dataclass
+# fields): transformer_config_from_hf sets them on the TransformerConfig after it is built (0.16 and 0.19).
+YARN_MIN_MEGATRON = "0.19"
 
 
 @dataclass(frozen=True)
@@ -47,11 +53,7 @@ def _settings(arch: QwenArch) -> list[Setting]:
         ),
         Setting(["--swiglu"], {"gated_linear_unit": True, "activation_func": F.silu}),
         Setting(["--disable-bias-linear"], {"add_bias_linear": False}),
-        Setting(
-            # Megatron-LM parses --rotary-base as an int.
-            ["--position-embedding-type", "rope", "--rotary-base", str(int(arch.rotary_base))],
-            {"rotary_base": arch.rotary_base},
-        ),
+        _rope_setting(arch),
         Setting(
             ["--max-position-embeddings", str(arch.max_position_embeddings)],
             {"max_position_embeddings": arch.max_position_embeddings},
@@ -111,12 +113,80 @@ def _settings(arch: QwenArch) -> list[Setting]:
     return s
 
 
-def megatron_args_from_hf(hf_dir: str | Path) -> list[str]:
+def _rope_setting(arch: QwenArch) -> Setting:
+    # Megatron-LM parses --rotary-base as an int.
+    flags = [
+        "--position-embedding-type",
+        arch.position_embedding_type,
+        "--rotary-base",
+        str(int(arch.rotary_base)),
+    ]
+    config: dict[str, Any] = {
+        "rotary_base": arch.rotary_base,
+        "position_embedding_type": arch.position_embedding_type,
+    }
+    yarn = arch.yarn
+    if yarn is None:
+        return Setting(flags, config)
+    # Megatron-LM core_v0.19's flags; its argument_utils._apply_yarn_config_from_args copies them to the
+    # config's yarn_* attributes. The attention scales RoPE's cos/sin by the concentration factor from
+    # (factor, mscale, mscale_all_dim); TE's fused RoPE cannot (bshd falls back to unfused with a
+    # warning, packed-sequence thd drops it), hence --no-rope-fusion.
+    round_flag = "--yarn-correction-range-round-to-int"
+    flags += [
+        "--rotary-scaling-factor",
+        repr(yarn.factor),
+        "--yarn-original-max-position-embeddings",
+        str(yarn.original_max_position_embeddings),
+        "--yarn-beta-fast",
+        repr(yarn.beta_fast),
+        "--yarn-beta-slow",
+        repr(yarn.beta_slow),
+        "--mscale",
+        repr(yarn.mscale),
+        "--mscale-all-dim",
+        repr(yarn.mscale_all_dim),
+        round_flag if yarn.correction_range_round_to_int else round_flag.replace("--", "--no-", 1),
+        "--no-rope-fusion",
+    ]
+    config |= {
+        "yarn_rotary_scaling_factor": yarn.factor,
+        "yarn_original_max_position_embeddings": yarn.original_max_position_embeddings,
+        "yarn_beta_fast": yarn.beta_fast,
+        "yarn_beta_slow": yarn.beta_slow,
+        "yarn_mscale": yarn.mscale,
+        "yarn_mscale_all_dim": yarn.mscale_all_dim,
+        "yarn_correction_range_round_to_int": yarn.correction_range_round_to_int,
+        "apply_rope_fusion": False,
+    }
+    return Setting(flags, config)
+
+
+def _installed_megatron_core() -> str:
+    import megatron.core
+
+    return megatron.core.__version__
+
+
+def megatron_args_from_hf(hf_dir: str | Path, *, megatron_version: str | None = None) -> list[str]:
     """Megatron-LM flags describing this checkpoint, ending with ``--spec twinkle_specs qwen_layer_spec``.
 
     Training choices (parallelism, batch, lr, seq-length, tokenizer) are the user's and are not included.
+    A YaRN checkpoint needs Megatron-LM core_v0.19+ (its ``--position-embedding-type yarn`` and YaRN
+    flags): with an older ``megatron_version`` (default: the installed megatron-core) this raises.
     """
     arch = qwen_arch_from_hf(hf_dir)
+    if arch.yarn is not None:
+        from packaging.version import Version
+
+        version = megatron_version or _installed_megatron_core()
+        if Version(version) < Version(YARN_MIN_MEGATRON):
+            raise UnsupportedConfigError(
+                f"{Path(hf_dir) / 'config.json'}: {arch.yarn.field}.rope_type='yarn' needs Megatron-LM "
+                f"core_v0.19+ for the flags (--position-embedding-type yarn --rotary-scaling-factor ...); "
+                f"megatron-core here is {version}. build_model / transformer_config_from_hf (our own "
+                "GPTModel construction) support YaRN on this version."
+            )
     flags = [f for setting in _settings(arch) for f in setting.flags]
     # The embedding is padded to a multiple of this times TP; Qwen vocabularies are multiples of 128.
     flags += ["--make-vocab-size-divisible-by", "128" if arch.vocab_size % 128 == 0 else "1"]
@@ -124,11 +194,12 @@ def megatron_args_from_hf(hf_dir: str | Path) -> list[str]:
 
 
 def _config_fields(arch: QwenArch) -> dict[str, Any]:
+    """TransformerConfig fields and ``yarn_*`` attributes (no GPTModel arguments)."""
     fields: dict[str, Any] = {}
     for setting in _settings(arch):
         fields.update(setting.config)
-    fields.pop("max_position_embeddings")  # a GPTModel argument, not a TransformerConfig field
-    fields.pop("rotary_base")  # likewise
+    for name in GPT_MODEL_ARGS:
+        fields.pop(name)
     return fields
 
 
@@ -169,12 +240,21 @@ def transformer_config_from_hf(hf_dir: str | Path, **overrides: Any):
 
     Parallel sizes are read from megatron's parallel state when it is initialized; fusions that need
     CUDA kernels are off unless overridden; ``transformer_impl`` is "transformer_engine" when a GPU and
-    TE are present, otherwise "local" (the portable path that runs on CPU).
+    TE are present, otherwise "local" (the portable path that runs on CPU). A YaRN checkpoint's
+    ``yarn_*`` settings are set as attributes of the config (where megatron-core's GPTModel and
+    attention read them, on 0.16 and 0.19 alike); build the GPTModel with
+    ``position_embedding_type=arch.position_embedding_type`` (as :func:`build_model` does).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     arch = qwen_arch_from_hf(hf_dir)
     kwargs = _config_fields(arch) | _runtime_fields() | overrides
+    yarn_attrs = {name: kwargs.pop(name) for name in list(kwargs) if name.startswith("yarn_")}
+    if arch.yarn is not None and kwargs.get("apply_rope_fusion"):
+        raise ValueError(
+            f"{Path(hf_dir) / 'config.json'}: apply_rope_fusion=True with YaRN: TE's fused RoPE cannot apply "
+            f"YaRN's attention factor {arch.yarn.attention_factor} on packed sequences; leave it off"
+        )
     kwargs.setdefault("pipeline_dtype", kwargs.get("params_dtype", torch.float32))
     if arch.is_moe:
         # alltoall is the fast path on GPUs; allgather is the dispatcher that runs without CUDA streams.
@@ -189,4 +269,7 @@ def transformer_config_from_hf(hf_dir: str | Path, **overrides: Any):
                 f"tensor_model_parallel_size={tp}; choose a TP size that divides both the attention heads "
                 f"({arch.num_attention_heads}) and the KV groups ({arch.num_query_groups})."
             )
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    for name, value in yarn_attrs.items():
+        setattr(config, name, value)
+    return config

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
-from .hf_config import FIELD_POLICY
+from .hf_config import FIELD_POLICY, ROPE_KEY_POLICY
 
 
 def config_fields_markdown() -> str:
     rows = "\n".join(f"| `{k}` | {p} | {what} |" for k, (p, what) in sorted(FIELD_POLICY.items()))
+    rope_rows = "\n".join(f"| `{k}` | {types} | {what} |" for k, (types, what) in ROPE_KEY_POLICY.items())
     return (
         "# config.json fields\n\n"
         "Every field of a Hugging Face Qwen config.json is *mapped* to Megatron flags, *checked* (accepted\n"
         "only with the value we can reproduce exactly; anything else is an error naming the field) or\n"
         "*ignored* (with the reason). A field not in this table is an error. Generated from\n"
         "`twinkle_specs.hf_config.FIELD_POLICY` by `python -m twinkle_specs.docs`.\n\n"
-        "| field | policy | Megatron / reason |\n|---|---|---|\n" + rows + "\n"
+        "| field | policy | Megatron / reason |\n|---|---|---|\n" + rows + "\n\n"
+        "## rope_parameters / rope_scaling keys\n\n"
+        "Resolved as transformers' `_compute_yarn_parameters` resolves them; any other key, or a key with a\n"
+        "rope type that does not take it, is an error naming it. YaRN runs through megatron-core's own\n"
+        "`YarnRotaryEmbedding` (same inverse frequencies) and its attention, which multiplies RoPE's cos and\n"
+        "sin by the concentration factor `get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`\n"
+        "(as transformers does with `attention_factor`). `build_model` / `transformer_config_from_hf` set\n"
+        "the `yarn_*` attributes on the TransformerConfig (megatron-core 0.16 and 0.19); the flags need\n"
+        "Megatron-LM core_v0.19+ (`--position-embedding-type yarn`), and `megatron_args_from_hf` / the\n"
+        "launcher raise on an older megatron-core. `--no-rope-fusion` comes with them: TE's fused RoPE\n"
+        "cannot apply the factor (it falls back to the unfused path on `bshd` and drops it on packed `thd`).\n\n"
+        "| key | rope types | Megatron / reason |\n|---|---|---|\n" + rope_rows + "\n"
     )
 
 

@@ -8,6 +8,7 @@ reason). A field not in the table is an error, so nothing the checkpoint says is
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,25 @@ FIELD_POLICY: dict[str, tuple[str, str]] = {
     "hidden_act": ("checked", "must be silu: --swiglu"),
     "rms_norm_eps": ("mapped", "--normalization RMSNorm --norm-epsilon"),
     "vocab_size": ("mapped", "embedding/output rows (padded with zero rows to a multiple of TP)"),
-    "max_position_embeddings": ("mapped", "--max-position-embeddings"),
-    "rope_theta": ("mapped", "--rotary-base"),
-    "rope_parameters": ("mapped", "rope_theta -> --rotary-base; rope_type must be default"),
-    "rope_scaling": ("checked", "must be absent or rope_type default (YaRN not wired yet)"),
+    "max_position_embeddings": (
+        "mapped",
+        "--max-position-embeddings (YaRN: also the factor when rope_parameters.factor is null)",
+    ),
+    "rope_theta": ("mapped", "--rotary-base (rope_parameters.rope_theta wins, as in transformers)"),
+    "rope_parameters": (
+        "mapped",
+        "rope_type default -> --position-embedding-type rope; yarn -> --position-embedding-type yarn "
+        "and the YaRN flags (megatron-core >= 0.19 for the flags); each key: the table below",
+    ),
+    "rope_scaling": (
+        "mapped",
+        "legacy name of rope_parameters; when set it replaces it (as in transformers)",
+    ),
+    "original_max_position_embeddings": (
+        "mapped",
+        "YaRN: wins over rope_parameters.original_max_position_embeddings (as in transformers); "
+        "unused otherwise",
+    ),
     "tie_word_embeddings": ("mapped", "false -> --untie-embeddings-and-output-weights"),
     "attention_bias": ("checked", "Qwen3: must be false (o_proj bias is not supported)"),
     "qkv_bias": ("mapped", "Qwen2-MoE: --add-qkv-bias"),
@@ -79,6 +95,71 @@ FIELD_POLICY: dict[str, tuple[str, str]] = {
     "return_dict": ("ignored", "inference-time output switch"),
 }
 
+# rope_parameters / rope_scaling key -> (rope types that may carry it, what happens). Any other key is an
+# error naming it. YaRN is computed as transformers' ``_compute_yarn_parameters`` does; megatron-core's
+# YarnRotaryEmbedding has the same inv_freq formula, and its attention multiplies RoPE's cos and sin by
+# the concentration factor it derives from (factor, mscale, mscale_all_dim), so every transformers
+# attention_factor with factor > 1 is expressed through those two (see :class:`YarnRope`).
+ROPE_KEY_POLICY: dict[str, tuple[str, str]] = {
+    "rope_type": (
+        "default, yarn",
+        "default -> --position-embedding-type rope, yarn -> yarn; others rejected",
+    ),
+    "type": ("default, yarn", "legacy name of rope_type"),
+    "rope_theta": ("default, yarn", "--rotary-base"),
+    "partial_rotary_factor": ("default, yarn", "must be 1.0 (RoPE on the whole head)"),
+    "factor": (
+        "yarn",
+        "--rotary-scaling-factor (config.yarn_rotary_scaling_factor); null -> "
+        "max_position_embeddings / original_max_position_embeddings",
+    ),
+    "original_max_position_embeddings": (
+        "yarn",
+        "--yarn-original-max-position-embeddings; default max_position_embeddings",
+    ),
+    "beta_fast": ("yarn", "--yarn-beta-fast (null or 0 -> 32, as in transformers)"),
+    "beta_slow": ("yarn", "--yarn-beta-slow (null or 0 -> 1, as in transformers)"),
+    "truncate": (
+        "yarn",
+        "true (default) -> --yarn-correction-range-round-to-int, false/null -> --no-yarn-correction-range-round-to-int",
+    ),
+    "attention_factor": (
+        "yarn",
+        "cos/sin scale A: --mscale (A - 1) / (0.1 ln factor) --mscale-all-dim 0; with factor <= 1 it must "
+        "be 1. Absent (and not both mscales): --mscale 1 --mscale-all-dim 0, i.e. 0.1 ln factor + 1",
+    ),
+    "mscale": ("yarn", "with mscale_all_dim (both non-zero, no attention_factor): --mscale; else unused"),
+    "mscale_all_dim": (
+        "yarn",
+        "with mscale (both non-zero, no attention_factor): --mscale-all-dim; else unused",
+    ),
+}
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """transformers' (and megatron-core's) ``get_mscale``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class YarnRope:
+    """YaRN in megatron-core's terms (its ``yarn_*`` config attributes / Megatron-LM >= 0.19 flags).
+
+    ``attention_factor`` is transformers' cos/sin scale; ``mscale``/``mscale_all_dim`` are chosen so that
+    megatron-core's concentration factor ``get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)``
+    equals it.
+    """
+
+    field: str  # the config.json field it came from: rope_parameters or rope_scaling
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
+    correction_range_round_to_int: bool
+    attention_factor: float
+
 
 @dataclass(frozen=True)
 class QwenArch:
@@ -108,10 +189,15 @@ class QwenArch:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int | None = None
     moe_aux_loss_coeff: float = 0.0
+    yarn: YarnRope | None = None
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def position_embedding_type(self) -> str:
+        return "yarn" if self.yarn is not None else "rope"
 
 
 def read_config_json(hf_dir: str | Path) -> dict[str, Any]:
@@ -173,16 +259,8 @@ def qwen_arch_from_hf(hf_dir: str | Path) -> QwenArch:
 
     heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
-    rope = dict(get("rope_parameters", {}) or {})
-    rope.update(get("rope_scaling", {}) or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise _reject(
-            where,
-            "rope_scaling",
-            rope,
-            "only plain RoPE is supported (YaRN needs megatron-core >= 0.19 and is not wired yet)",
-        )
+    rope_field, rope, rope_type = _rope_parameters(raw, where)
+    yarn = _yarn_rope(raw, rope, rope_field, where) if rope_type == "yarn" else None
     dtype = get("dtype", get("torch_dtype"))
     num_experts = raw.get("num_experts", raw.get("num_local_experts")) if family.endswith("moe") else None
     return QwenArch(
@@ -197,7 +275,7 @@ def qwen_arch_from_hf(hf_dir: str | Path) -> QwenArch:
         norm_epsilon=float(get("rms_norm_eps", 1e-6)),
         vocab_size=int(raw["vocab_size"]),
         max_position_embeddings=int(raw["max_position_embeddings"]),
-        rotary_base=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
+        rotary_base=float(rope.get("rope_theta") or get("rope_theta", 10000.0)),
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(get("qkv_bias", True))),
         qk_layernorm=family in ("qwen3", "qwen3_moe"),
@@ -214,4 +292,104 @@ def qwen_arch_from_hf(hf_dir: str | Path) -> QwenArch:
             else None
         ),
         moe_aux_loss_coeff=float(get("router_aux_loss_coef", 0.0)) if num_experts else 0.0,
+        yarn=yarn,
+    )
+
+
+def _rope_parameters(raw: dict[str, Any], where: str) -> tuple[str, dict[str, Any], str]:
+    """(field, parameters, rope type) as transformers reads them: a non-empty ``rope_scaling`` replaces
+    ``rope_parameters`` whole; every key must be in :data:`ROPE_KEY_POLICY` for its rope type."""
+    field = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    rope = dict(raw.get(field) or {})
+    rope_type = rope.get("rope_type", rope.get("type")) or "default"
+    if rope_type not in ("default", "yarn"):
+        raise _reject(
+            where,
+            f"{field}.rope_type",
+            rope_type,
+            "supported: default (plain RoPE) and yarn; other scalings change the model",
+        )
+    accepted = sorted(k for k, (types, _) in ROPE_KEY_POLICY.items() if rope_type in types.split(", "))
+    for key, value in rope.items():
+        if key not in accepted:
+            raise _reject(where, f"{field}.{key}", value, f"rope_type {rope_type} takes only {accepted}")
+    if _number(rope.get("partial_rotary_factor", 1.0), where, f"{field}.partial_rotary_factor") != 1.0:
+        raise _reject(
+            where,
+            f"{field}.partial_rotary_factor",
+            rope["partial_rotary_factor"],
+            "RoPE must cover the whole head",
+        )
+    return field, rope, rope_type
+
+
+def _number(value: Any, where: str, name: str) -> Any:
+    """``value`` if it is a number or None, else an error naming the field."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise _reject(where, name, value, "must be a number")
+    return value
+
+
+def _yarn_rope(raw: dict[str, Any], rope: dict[str, Any], field: str, where: str) -> YarnRope:
+    """YaRN parameters resolved exactly as transformers 5's ``_compute_yarn_parameters`` (and its
+    ``standardize_rope_params``) resolves them, in megatron-core's terms."""
+    # A top-level original_max_position_embeddings wins; otherwise the rope dict's, else the model's.
+    name, original = "original_max_position_embeddings", raw.get("original_max_position_embeddings")
+    if original is None:
+        name, original = (
+            f"{field}.original_max_position_embeddings",
+            rope.get("original_max_position_embeddings"),
+        )
+    if original is None:
+        name, original = "max_position_embeddings", raw["max_position_embeddings"]
+    if _number(original, where, name) <= 0 or int(original) != original:
+        raise _reject(where, name, original, "YaRN needs a positive integer original context length")
+    original = int(original)
+    factor = rope.get("factor")
+    if factor is None:
+        factor = raw["max_position_embeddings"] / original
+    if _number(factor, where, f"{field}.factor") <= 0:
+        raise _reject(where, f"{field}.factor", factor, "must be positive")
+    factor = float(factor)
+    attention_factor = _number(rope.get("attention_factor"), where, f"{field}.attention_factor")
+    mscale = _number(rope.get("mscale"), where, f"{field}.mscale")
+    mscale_all_dim = _number(rope.get("mscale_all_dim"), where, f"{field}.mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            megatron_mscale = (float(mscale), float(mscale_all_dim))
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:  # transformers ignores mscale unless both are non-zero
+            megatron_mscale = (1.0, 0.0)
+            attention_factor = _yarn_mscale(factor)
+    else:
+        attention_factor = float(attention_factor)
+        if factor > 1:
+            megatron_mscale = ((attention_factor - 1.0) / (0.1 * math.log(factor)), 0.0)
+        elif attention_factor == 1.0:
+            megatron_mscale = (1.0, 0.0)
+        else:
+            raise _reject(
+                where,
+                f"{field}.attention_factor",
+                attention_factor,
+                f"with factor {factor} <= 1 megatron-core's YaRN concentration factor is always 1",
+            )
+    megatron_factor = _yarn_mscale(factor, megatron_mscale[0]) / _yarn_mscale(factor, megatron_mscale[1])
+    if not math.isclose(megatron_factor, attention_factor, rel_tol=1e-12):
+        raise _reject(
+            where,
+            f"{field}.attention_factor",
+            attention_factor,
+            f"megatron-core would scale cos/sin by {megatron_factor}",
+        )
+    return YarnRope(
+        field=field,
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(_number(rope.get("beta_fast"), where, f"{field}.beta_fast") or 32),
+        beta_slow=float(_number(rope.get("beta_slow"), where, f"{field}.beta_slow") or 1),
+        mscale=megatron_mscale[0],
+        mscale_all_dim=megatron_mscale[1],
+        correction_range_round_to_int=bool(rope.get("truncate", True)),
+        attention_factor=float(attention_factor),
     )

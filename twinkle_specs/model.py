@@ -62,7 +62,7 @@ def build_model(
         post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type=arch.position_embedding_type,  # rope, or yarn (config.yarn_*)
         rotary_base=arch.rotary_base,
         vp_stage=vp_stage,
     )
