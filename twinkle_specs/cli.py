@@ -1,4 +1,4 @@
-"""The ``twinkle-specs`` command: print Megatron flags for a checkpoint, or check parity."""
+"""The ``twinkle-specs`` command: Megatron flags for a checkpoint, parity check, HF <-> Megatron checkpoints."""
 
 from __future__ import annotations
 
@@ -25,6 +25,38 @@ def _parity(ns: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _convert(ns: argparse.Namespace) -> int:
+    from .megatron_checkpoint import Layout, convert
+
+    layout = Layout(tp=ns.tp, pp=ns.pp, ep=ns.ep, etp=ns.etp)
+    out = convert(ns.hf_model, ns.save, layout, precision=ns.precision, force=ns.force)
+    print(
+        f"wrote Megatron-LM torch_dist checkpoint {out} (TP={ns.tp} PP={ns.pp} EP={ns.ep} ETP={ns.etp}, "
+        f"{layout.world_size} ranks); load it with: pretrain_gpt.py $(twinkle-specs args --hf-model "
+        f"{ns.hf_model}) --load {ns.save} --finetune ..."
+    )
+    return 0
+
+
+def _export(ns: argparse.Namespace) -> int:
+    from .megatron_checkpoint import export
+
+    lora = {
+        "lora_rank": ns.lora_rank,
+        "lora_alpha": ns.lora_alpha,
+        "lora_target": ns.lora_target,
+        "lora_dropout": None,
+        "lora_rslora": ns.lora_rslora or None,
+    }
+    mode = "peft" if ns.peft else "merged" if ns.merged else None
+    done = export(
+        ns.load, ns.hf_model, ns.out, iteration=ns.iteration, mode=mode, lora_overrides=lora, force=ns.force
+    )
+    what = {"peft": "PEFT adapter", "merged": "merged HF weights", "full": "HF weights"}[done]
+    print(f"wrote {what} to {ns.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twinkle-specs", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -38,10 +70,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--tolerance", type=float, default=1e-4)
     p.set_defaults(func=_parity)
+
+    p = sub.add_parser(
+        "convert", help="write a HF checkpoint as a Megatron-LM torch_dist checkpoint (pretrain_gpt --load)"
+    )
+    p.add_argument("--hf-model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--save", required=True, help="Megatron checkpoint directory to write (new or empty)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to write at (any size loads it)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to write at")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
+    p.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size (MoE)")
+    precision = p.add_mutually_exclusive_group()
+    for flag in ("bf16", "fp16", "fp32"):
+        precision.add_argument(
+            f"--{flag}",
+            dest="precision",
+            action="store_const",
+            const=flag,
+            help=f"store weights as {flag} (default: config.json's dtype)",
+        )
+    p.add_argument(
+        "--force", action="store_true", help="replace release/ and the tracker in a non-empty --save"
+    )
+    p.set_defaults(func=_convert, precision=None)
+
+    p = sub.add_parser(
+        "export", help="write a Megatron torch_dist checkpoint as HF weights or a PEFT adapter"
+    )
+    p.add_argument("--load", required=True, help="Megatron checkpoint directory (with the tracker file)")
+    p.add_argument("--iteration", type=int, default=None, help="iter_N to export (default: the tracker's)")
+    p.add_argument("--hf-model", required=True, help="the HF base checkpoint (config, tokenizer, LoRA base)")
+    p.add_argument("--out", required=True, help="output directory (new or empty)")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--peft", action="store_true", help="LoRA checkpoint -> PEFT adapter (the default)")
+    kind.add_argument("--merged", action="store_true", help="LoRA checkpoint -> merged full HF weights")
+    p.add_argument("--lora-rank", type=int, default=None, help="if the checkpoint's args lack it")
+    p.add_argument("--lora-alpha", type=float, default=None, help="if the checkpoint's args lack it")
+    p.add_argument("--lora-target", default=None, help="if the checkpoint's args lack it")
+    p.add_argument("--lora-rslora", action="store_true", help="if the checkpoint's args lack it")
+    p.add_argument("--force", action="store_true", help="replace an earlier export in a non-empty --out")
+    p.set_defaults(func=_export)
     ns = parser.parse_args(argv)
     try:
         return ns.func(ns)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError) as err:  # MegatronCheckpointError is a ValueError
         print(f"twinkle-specs: error: {err}", file=sys.stderr)
         return 2
 
