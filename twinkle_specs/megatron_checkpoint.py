@@ -253,6 +253,50 @@ def convert(
     return save / RELEASE
 
 
+# Modules that are Transformer Engine modules in the TE spec, by their name in the model. A TE module has an
+# ``_extra_state`` (its FP8 metadata: an empty uint8 tensor without FP8) that a TE model asks for on load;
+# the input norms are fused into linear_qkv / dense linear_fc1 there (no module of their own), while the
+# MoE layer's pre_mlp_layernorm is a TENorm.
+TE_MODULE_NAMES = frozenset(
+    {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "core_attention", "q_layernorm", "k_layernorm"}
+)
+_EXTRA_STATE_CLASSES: dict[type, type] = {}
+
+
+def give_te_extra_state(model: torch.nn.Module) -> None:
+    """Gives the portable modules that stand for TE modules TE's (empty, non-FP8) ``_extra_state``, so the
+    checkpoint holds every key a Transformer Engine model of the same checkpoint loads -- stock
+    ``load_checkpoint`` at its default strictness fails on a key the model asks for and the file lacks."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        wanted = leaf in TE_MODULE_NAMES or leaf == "final_layernorm"
+        if leaf == "pre_mlp_layernorm":
+            wanted = _is_moe_layer(model, name)
+        if not wanted or isinstance(module, IdentityOp):
+            continue
+        cls = type(module)
+        if cls not in _EXTRA_STATE_CLASSES:
+            _EXTRA_STATE_CLASSES[cls] = type(
+                cls.__name__,
+                (cls,),
+                {
+                    "get_extra_state": lambda self: torch.empty(0, dtype=torch.uint8),
+                    "set_extra_state": lambda self, state: None,
+                    "__module__": cls.__module__,
+                },
+            )
+        module.__class__ = _EXTRA_STATE_CLASSES[cls]
+
+
+def _is_moe_layer(model: torch.nn.Module, norm_name: str) -> bool:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    layer = model.get_submodule(norm_name.rsplit(".", 1)[0])
+    return isinstance(getattr(layer, "mlp", None), MoELayer)
+
+
 def _convert_rank(job: dict) -> None:
     """One rank of ``convert``: build + strict HF load of this rank's shards, then a collective save."""
     import torch.distributed as dist
@@ -271,6 +315,7 @@ def _convert_rank(job: dict) -> None:
             expert_tensor_parallel_size=layout.etp,
         )
         model = build_model(job["hf"], params_dtype=_DTYPES[job["precision"]])
+        give_te_extra_state(model)
         metadata = dict(CONTENT_METADATA, dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True))
         state = {
             "model": model.sharded_state_dict(metadata=metadata),

@@ -95,7 +95,15 @@ def _megatron_layer_submodules(config: TransformerConfig) -> TransformerLayerSub
     portable_attention = dataclasses.replace(
         attention, submodules=dataclasses.replace(attention.submodules, core_attention=SDPACoreAttention)
     )
-    return dataclasses.replace(submodules, self_attention=portable_attention)
+    keys_map = dict(submodules.sharded_state_dict_keys_map)
+    if config.num_moe_experts:
+        # The TE spec fuses the pre-MLP norm into linear_fc1 only for dense MLPs; an MoE layer keeps a
+        # TENorm named pre_mlp_layernorm. megatron's local spec renames it for MoE too, which would make
+        # portable MoE checkpoints unreadable by TE models (and TE-trained ones by portable export).
+        keys_map.pop("pre_mlp_layernorm.", None)
+    return dataclasses.replace(
+        submodules, self_attention=portable_attention, sharded_state_dict_keys_map=keys_map
+    )
 
 
 def qwen_layer_submodules(config: TransformerConfig) -> TransformerLayerSubmodules:
