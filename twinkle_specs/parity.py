@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import tempfile
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -56,14 +54,12 @@ def _init_single_process() -> None:
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+        # An in-process store: no port to pick, and no clash with the MASTER_ADDR/MASTER_PORT of a
+        # torchrun or Slurm job this tool may be started inside (they name the job's rendezvous).
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, 1)
         if torch.cuda.is_available():
