@@ -33,21 +33,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_dist(
-    nproc: int, script: Path, *args: str, timeout: int = 300, cpu_only: bool = False
-) -> subprocess.CompletedProcess:
-    """Runs ``script`` on ``nproc`` ranks with torchrun (one GPU each where there are GPUs and not
-    ``cpu_only``, else gloo on CPU); raises with its output on failure."""
-    cmd = [
+def torchrun(nproc: int) -> list[str]:
+    """The torchrun command for ``nproc`` local ranks on a free port (what follows is the program)."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
         f"--master-port={free_port()}",
         "--master-addr=127.0.0.1",
-        str(script),
-        *args,
     ]
+
+
+def run_dist(
+    nproc: int, script: Path, *args: str, timeout: int = 300, cpu_only: bool = False
+) -> subprocess.CompletedProcess:
+    """Runs ``script`` on ``nproc`` ranks with torchrun (one GPU each where there are GPUs and not
+    ``cpu_only``, else gloo on CPU); raises with its output on failure."""
+    cmd = [*torchrun(nproc), str(script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     if cpu_only or not torch.cuda.is_available():
         env["CUDA_VISIBLE_DEVICES"] = ""

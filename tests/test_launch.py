@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import torchrun
 from models import CONFIGS
 
 from twinkle_specs.launch import LaunchError, merge_flags
@@ -30,11 +29,7 @@ COMMON = [
 
 def launch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=1",
-        f"--master-port={free_port()}",
+        *torchrun(1),
         "-m",
         "twinkle_specs.launch",
         str(STANDIN / "standin_pretrain_gpt.py"),

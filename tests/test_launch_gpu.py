@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import free_port, torchrun
 from gpu_checks import Evidence
 from models import make_checkpoint
 
@@ -115,11 +115,7 @@ def dump_env(dump_dir: Path | None) -> dict[str, str]:
 def pretrain(hf: Path, out: Path, *flags: str, nproc: int = 1, iters: int = 6, dump: bool = True):
     dump_dir = out / "batches"
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}",
+        *torchrun(nproc),
         "-m",
         "twinkle_specs.launch",
         *train_flags(hf, iters),
@@ -265,6 +261,7 @@ def test_qwen3_moe_expert_parallel(e2e, lora):
 # as Slurm sets them) and `scontrol show hostnames`. Everything else is the script users submit:
 # its variable checks, rendezvous, torchrun-per-node or srun-native rank mapping, CKPT_DIR handling and
 # shared-directory check. Real Slurm runs the same script on CPU in tests/launch/test_launch_slurm.py.
+LORA_TP2 = ["--mock-data", "--lora-rank", "8", "--tensor-model-parallel-size", "2", "--save-interval", "5"]
 SRUN_STANDIN = """#!/usr/bin/env python3
 import os, subprocess, sys
 args = sys.argv[1:]
@@ -316,16 +313,7 @@ def test_sbatch_script_trains_tp2_lora_and_resumes_across_launch_modes(e2e):
     root.mkdir()
     ckpt, dump = root / "ckpt", root / "batches"
     script = Path(__file__).resolve().parents[1] / "launch" / "slurm" / "train.sbatch"
-    flags = [
-        *train_flags(hf, 8),
-        "--mock-data",
-        "--lora-rank",
-        "8",
-        "--tensor-model-parallel-size",
-        "2",
-        "--save-interval",
-        "5",
-    ]
+    flags = [*train_flags(hf, 8), *LORA_TP2]
     first, log1 = run_logged(
         ["bash", str(script), *flags, "--exit-interval", "5"],
         "sbatch-torchrun-tp2",
@@ -354,16 +342,7 @@ def test_ray_script_trains_tp2_lora_on_two_gpus(e2e):
     dump = root / "batches"
     launch = Path(__file__).resolve().parents[1] / "launch" / "ray" / "launch.py"
     env = dump_env(dump) | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(root / "rt")}
-    flags = [
-        *train_flags(hf, 6),
-        "--mock-data",
-        "--lora-rank",
-        "8",
-        "--tensor-model-parallel-size",
-        "2",
-        "--save-interval",
-        "5",
-    ]
+    flags = [*train_flags(hf, 6), *LORA_TP2]
     cmd = [sys.executable, str(launch), "--gpus-per-node", "2", "--num-cpus", "8"]
     cmd += [
         "--node-ip-address",
@@ -405,15 +384,8 @@ def test_converted_checkpoint_trains_in_plain_pretrain_gpt_and_exports_back(e2e)
     flags += ["--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "128"]
     flags += ["--train-iters", "1", "--eval-interval", "1000", "--eval-iters", "0", "--lr", "0.0"]
     flags += ["--log-interval", "1", "--no-gradient-accumulation-fusion"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=1",
-        f"--master-port={free_port()}",
-    ]
     losses, log = run_logged(
-        [*cmd, str(Path(ROOT) / "pretrain_gpt.py"), *flags], "plain-pretrain-gpt", dict(os.environ)
+        [*torchrun(1), str(Path(ROOT) / "pretrain_gpt.py"), *flags], "plain-pretrain-gpt", dict(os.environ)
     )
     assert "successfully loaded checkpoint from" in log and 1 in losses, log[-3000:]
     exp = subprocess.run(
