@@ -83,6 +83,10 @@ def test_missing_tokenizer_is_explained(checkpoints):
 def test_save_without_interval_is_explained(checkpoints):
     with pytest.raises(LaunchError, match=r"--save /ck needs --save-interval N"):
         merge_flags(str(checkpoints("qwen3")), ["--save", "/ck", "--lr", "1e-4"])
+    for interval in (["--save-interval", "5"], ["--persistent-save-interval=5"]):  # Megatron's alias
+        assert "--save" in merge_flags(
+            str(checkpoints("qwen3")), ["--save", "/ck", *interval, "--tokenizer-type", "X"]
+        )
 
 
 def test_other_spec_is_rejected(checkpoints):

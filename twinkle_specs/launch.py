@@ -112,7 +112,7 @@ def merge_flags(hf_dir: str, user: list[str]) -> list[str]:
     where they contradict the checkpoint's architecture this raises, naming the flag and both values.
     """
     given = _tokens_to_flags(user)
-    if "--save" in given and "--save-interval" not in given:
+    if "--save" in given and not {"--save-interval", "--persistent-save-interval"} & given.keys():
         # Megatron only asserts this (a bare AssertionError); the Slurm and Ray scripts add --save for you.
         raise LaunchError(
             f"--save {' '.join(given['--save'])} needs --save-interval N (iterations between checkpoints); "
