@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,18 +14,30 @@ sys.path.insert(0, str(Path(__file__).parent))
 from models import make_checkpoint  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory):
-    """Builds each tiny HF checkpoint once per session, on first use."""
-    root = tmp_path_factory.mktemp("hf")
+def _built_once(root: Path, make: Callable[[str, Path], Path]) -> Callable[[str], Path]:
+    """``kind -> checkpoint dir``, each made by ``make`` under ``root`` on first use."""
     made: dict[str, Path] = {}
 
     def get(kind: str) -> Path:
         if kind not in made:
-            made[kind] = make_checkpoint(kind, root / kind)
+            made[kind] = make(kind, root / kind)
         return made[kind]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Builds each tiny HF checkpoint once per session, on first use."""
+    return _built_once(tmp_path_factory.mktemp("hf"), make_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def lora_checkpoints(tmp_path_factory):
+    """The LoRA tests' tiny checkpoints (test_lora_support's sizes), each built once per session."""
+    from test_lora_support import make_checkpoint as make_lora_checkpoint  # it imports this module
+
+    return _built_once(tmp_path_factory.mktemp("hf-lora"), make_lora_checkpoint)
 
 
 def free_port() -> int:

@@ -61,20 +61,6 @@ def gpu():
     ps.destroy_model_parallel()
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from test_lora_support import make_checkpoint
-
-    made = {}
-
-    def get(kind):
-        if kind not in made:
-            made[kind] = make_checkpoint(kind, tmp_path_factory.mktemp(kind))
-        return made[kind]
-
-    return get
-
-
 def _peft_adapter(hf: Path, out: Path, **targets):
     """A random PEFT adapter made by peft itself, and its fp32 logits (the truth)."""
     import peft
@@ -129,13 +115,13 @@ CASES = {
 
 @pytest.mark.parametrize("kind,targets,extra", list(CASES.values()), ids=list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_te_lora_matches_peft(kind, targets, extra, dtype, ckpt, gpu, tmp_path):
+def test_te_lora_matches_peft(kind, targets, extra, dtype, lora_checkpoints, gpu, tmp_path):
     from test_lora_support import tokens
 
     import twinkle_specs as ts
     from twinkle_specs import LoraConfig
 
-    hf = ckpt(kind)
+    hf = lora_checkpoints(kind)
     truth, peft_bf16 = _peft_adapter(hf, tmp_path, **targets)
     model = ts.build_model(
         hf,
@@ -173,7 +159,7 @@ def test_te_lora_matches_peft(kind, targets, extra, dtype, ckpt, gpu, tmp_path):
             assert stats["cosine"] >= BF16_MIN_COSINE, stats
 
 
-def test_te_bf16_training_with_full_recompute(ckpt, gpu):
+def test_te_bf16_training_with_full_recompute(lora_checkpoints, gpu):
     from test_lora_support import VOCAB, tokens
 
     import twinkle_specs as ts
@@ -181,7 +167,7 @@ def test_te_bf16_training_with_full_recompute(ckpt, gpu):
     from twinkle_specs.lora import adapter_parameters
     from twinkle_specs.parallel import is_adapter_param
 
-    hf = ckpt("qwen3")
+    hf = lora_checkpoints("qwen3")
     model = ts.build_model(
         hf,
         lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
@@ -229,11 +215,11 @@ def test_te_bf16_training_with_full_recompute(ckpt, gpu):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs with Transformer Engine (TP=2)")
-def test_te_tp2_sequence_parallel_matches_peft(ckpt, tmp_path):
+def test_te_tp2_sequence_parallel_matches_peft(lora_checkpoints, tmp_path):
     import peft
     from test_lora_support import VOCAB, free_port, hf_model, tokens
 
-    hf = ckpt("qwen3")
+    hf = lora_checkpoints("qwen3")
     _peft_adapter(hf, tmp_path / "adapter", target_modules="all-linear")
     cmd = [
         sys.executable,

@@ -8,7 +8,6 @@ import pytest
 import torch
 from test_lora_support import (
     hf_model,
-    make_checkpoint,
     megatron_logits,
     randomize_megatron,
     randomize_peft,
@@ -50,21 +49,9 @@ CASES = {
 PARAMS = pytest.mark.parametrize("kind,targets", list(CASES.values()), ids=list(CASES))
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    made = {}
-
-    def get(kind):
-        if kind not in made:
-            made[kind] = make_checkpoint(kind, tmp_path_factory.mktemp(kind))
-        return made[kind]
-
-    return get
-
-
 @PARAMS
-def test_peft_adapter_into_megatron(kind, targets, ckpt, tmp_path, single_rank):  # noqa: F811
-    hf = ckpt(kind)
+def test_peft_adapter_into_megatron(kind, targets, lora_checkpoints, tmp_path, single_rank):  # noqa: F811
+    hf = lora_checkpoints(kind)
     ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, lora_alpha=8, **targets))
     randomize_peft(ref_model)
     ref_model.save_pretrained(tmp_path)
@@ -80,8 +67,8 @@ def test_peft_adapter_into_megatron(kind, targets, ckpt, tmp_path, single_rank):
 
 
 @PARAMS
-def test_megatron_adapter_into_peft(kind, targets, ckpt, tmp_path, single_rank):  # noqa: F811
-    hf = ckpt(kind)
+def test_megatron_adapter_into_peft(kind, targets, lora_checkpoints, tmp_path, single_rank):  # noqa: F811
+    hf = lora_checkpoints(kind)
     model = ts.build_model(hf, lora=LoraConfig(r=4, lora_alpha=8, **targets), parallel_output=False).eval()
     base = megatron_logits(model, tokens())
     randomize_megatron(model)
@@ -102,8 +89,8 @@ def test_unknown_target_names_the_target():
         LoraConfig(target_parameters=["mlp.experts.w1"])
 
 
-def test_mismatched_adapters_are_refused(ckpt, tmp_path, single_rank):  # noqa: F811
-    hf = ckpt("qwen3")
+def test_mismatched_adapters_are_refused(lora_checkpoints, tmp_path, single_rank):  # noqa: F811
+    hf = lora_checkpoints("qwen3")
     ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     ref_model.save_pretrained(tmp_path / "r4")
     model = ts.build_model(hf, lora=LoraConfig(r=8, target_modules=["q_proj"]))
@@ -112,14 +99,14 @@ def test_mismatched_adapters_are_refused(ckpt, tmp_path, single_rank):  # noqa: 
     ):
         load_peft_adapter(model, tmp_path / "r4")
     # An adapter made for another base (qwen2: other head layout, one layer more) is refused by name.
-    other = ckpt("qwen2")
+    other = lora_checkpoints("qwen2")
     other_model = peft.get_peft_model(hf_model(other), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     other_model.save_pretrained(tmp_path / "other")
     model = ts.build_model(hf, lora=LoraConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="q_proj.lora_B.weight.*different base model"):
         load_peft_adapter(model, tmp_path / "other")
     # Qwen2-MoE's all-linear in peft includes shared_expert_gate, which Megatron's fused gate cannot host.
-    moe = ckpt("qwen2_moe")
+    moe = lora_checkpoints("qwen2_moe")
     gate_model = peft.get_peft_model(hf_model(moe), peft.LoraConfig(r=4, target_modules="all-linear"))
     gate_model.save_pretrained(tmp_path / "gate")
     with pytest.raises(ValueError, match="unknown target module 'shared_expert_gate'"):
