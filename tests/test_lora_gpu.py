@@ -12,14 +12,12 @@ statistics are written to $TWINKLE_EVIDENCE_DIR/lora-gpu.json when that is set.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_dist
 from gpu_checks import (
     BF16_ERROR_RATIO,
     BF16_MIN_COSINE,
@@ -42,21 +40,14 @@ EVIDENCE = Evidence("lora-gpu.json")
 
 @pytest.fixture(scope="module")
 def gpu():
-    import torch.distributed as dist
     import transformer_engine  # noqa: F401  (the point of this module: the TE path)
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from test_lora_support import free_port
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    if ps.model_parallel_is_initialized():
+    from twinkle_specs.parity import _init_single_process
+
+    if ps.model_parallel_is_initialized():  # another module's layout: start from TP=PP=1
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
+    _init_single_process()
     yield
     ps.destroy_model_parallel()
 
@@ -217,26 +208,21 @@ def test_te_bf16_training_with_full_recompute(lora_checkpoints, gpu):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs with Transformer Engine (TP=2)")
 def test_te_tp2_sequence_parallel_matches_peft(lora_checkpoints, tmp_path):
     import peft
-    from test_lora_support import VOCAB, free_port, hf_model, tokens
+    from test_lora_support import VOCAB, hf_model, tokens
 
     hf = lora_checkpoints("qwen3")
     _peft_adapter(hf, tmp_path / "adapter", target_modules="all-linear")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        f"--master-port={free_port()}",
-        str(WORKER),
+    run_dist(
+        2,
+        WORKER,
         "--hf",
         str(hf),
         "--adapter",
         str(tmp_path / "adapter"),
         "--out",
         str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        timeout=600,
+    )
 
     checks = json.loads((tmp_path / "checks.json").read_text())
     assert checks == {"only_adapters_in_ddp": True, "ckpt_equal": True}
