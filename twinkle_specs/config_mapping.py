@@ -162,6 +162,19 @@ def _rope_setting(arch: QwenArch) -> Setting:
     return Setting(flags, config)
 
 
+def flag_values(tokens: list[str]) -> dict[str, list[str]]:
+    """``--flag v1 v2 --switch --key=v`` -> {"--flag": ["v1", "v2"], "--switch": [], "--key": ["v"]}."""
+    out: dict[str, list[str]] = {}
+    key = None
+    for tok in tokens:
+        if tok.startswith("--"):
+            key, _, inline = tok.partition("=")
+            out[key] = [inline] if inline else []
+        elif key is not None:
+            out[key].append(tok)
+    return out
+
+
 def _installed_megatron_core() -> str:
     import megatron.core
 

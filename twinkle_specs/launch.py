@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .config_mapping import megatron_args_from_hf
+from .config_mapping import flag_values, megatron_args_from_hf
 from .hf_config import qwen_arch_from_hf
 
 # Checkpoint-derived flags a user may override (precision, regularisation, padding, aux loss).
@@ -82,19 +82,6 @@ def add_twinkle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-def _tokens_to_flags(tokens: list[str]) -> dict[str, list[str]]:
-    """``--flag v1 v2 --switch`` -> {"--flag": ["v1", "v2"], "--switch": []}."""
-    out: dict[str, list[str]] = {}
-    key = None
-    for tok in tokens:
-        if tok.startswith("--"):
-            key, _, inline = tok.partition("=")
-            out[key] = [inline] if inline else []
-        elif key is not None:
-            out[key].append(tok)
-    return out
-
-
 def _flag_groups(flags: list[str]) -> list[list[str]]:
     groups: list[list[str]] = []
     for tok in flags:
@@ -111,7 +98,7 @@ def merge_flags(hf_dir: str, user: list[str]) -> list[str]:
     The user's flags come last (argparse keeps the last value), so where they may override they win;
     where they contradict the checkpoint's architecture this raises, naming the flag and both values.
     """
-    given = _tokens_to_flags(user)
+    given = flag_values(user)
     if "--save" in given and not {"--save-interval", "--persistent-save-interval"} & given.keys():
         # Megatron only asserts this (a bare AssertionError); the Slurm and Ray scripts add --save for you.
         raise LaunchError(

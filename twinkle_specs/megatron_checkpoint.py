@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .config_mapping import megatron_args_from_hf
+from .config_mapping import flag_values, megatron_args_from_hf
 from .hf_config import qwen_arch_from_hf
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -104,15 +104,7 @@ def checkpoint_args(hf_dir: str | Path, layout: Layout, precision: str) -> argpa
     Only plain values, so ``torch.load(weights_only=True)`` reads it.
     """
     ns: dict[str, Any] = {"add_position_embedding": True, "add_bias_linear": True}
-    flags = megatron_args_from_hf(hf_dir)
-    i = 0
-    while i < len(flags):
-        flag = flags[i]
-        values = []
-        i += 1
-        while i < len(flags) and not flags[i].startswith("--"):
-            values.append(flags[i])
-            i += 1
+    for flag, values in flag_values(megatron_args_from_hf(hf_dir)).items():
         if flag == "--disable-bias-linear":
             ns["add_bias_linear"] = False
             continue
