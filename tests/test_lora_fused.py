@@ -205,9 +205,9 @@ def test_grouped_experts_grouped_mm_equals_loop(te, site, single_rank, monkeypat
     def forward(x):
         return layer(x, SPLITS)[0]
 
-    monkeypatch.setattr(te, "_use_grouped_mm", lambda *a: False)
+    monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: False)
     loop = _run(layer, forward, x, grad)
-    monkeypatch.setattr(te, "_use_grouped_mm", lambda *a: True)
+    monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: True)
     grouped = _run(layer, forward, x, grad)
     assert _rel(grouped, loop) <= REL_TOL
     (slot,) = layer.lora_slots

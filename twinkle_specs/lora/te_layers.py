@@ -32,12 +32,6 @@ from .layers import (
 )
 
 
-def _use_grouped_mm(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, splits: list[int]) -> bool:
-    """One grouped GEMM per factor for all experts where torch has it for these tensors (CUDA sm90,
-    bf16), else the per-expert loop (CPU, fp32, other GPUs); tests replace this to force either."""
-    return grouped_mm_fits(x, a, b, splits)
-
-
 class LoraTELayerNormColumnParallelLinear(LoraLinearMixin, TELayerNormColumnParallelLinear):
     """TE norm-fused column-parallel linear (linear_qkv, dense linear_fc1); the adapter sees norm(x)."""
 
@@ -105,7 +99,8 @@ class _LoraTEGroupedLinear(LoraLayerMixin):
         splits = m_splits.tolist() if torch.is_tensor(m_splits) else list(m_splits)
         (slot,) = self.lora_slots  # routed-expert sites have one slot (gate_up_proj, down_proj)
         a, b, scaling = self.lora_A[slot], self.lora_B[slot], self.lora_spec[slot].scaling
-        delta = expert_delta_grouped if _use_grouped_mm(x, a, b, splits) else expert_delta_loop
+        # One grouped GEMM per factor where torch has it for these tensors (CUDA sm90, bf16), else the loop.
+        delta = expert_delta_grouped if grouped_mm_fits(x, a, b, splits) else expert_delta_loop
         return out + delta(x, a, b, splits, scaling).to(out.dtype), bias
 
 
