@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from collections import Counter
@@ -38,6 +37,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: bench/ is importable as a package from the root
+    sys.path.insert(0, str(ROOT))
 
 NOT_KERNELS = {  # allocations, aliasing and metadata: no kernel on a GPU
     "empty",
@@ -98,35 +101,14 @@ def fwd_bwd(fn, *inputs: torch.Tensor, params=()) -> dict:
 # -- one decoder layer ------------------------------------------------------------------------------
 
 
-def _init_single_rank() -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
-
-
 def _layer_model(lora):
-    from transformers import Qwen3Config
-
+    """One decoder layer of the benchmark's Qwen3-1.7B shape (a small vocabulary: not counted here)."""
     import twinkle_specs as ts
+    from bench.shapes import hf_config
 
-    hf = Qwen3Config(
-        vocab_size=256,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=1,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        architectures=["Qwen3ForCausalLM"],
-    )
+    hf = hf_config("qwen3-1.7b", layers=1)
+    hf.vocab_size, hf.dtype = 256, "float32"  # the counts: fp32 on CPU, as the layer's inputs
+    hf.architectures = ["Qwen3ForCausalLM"]
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         return ts.build_model(Path(d), load_weights=False, lora=lora)
@@ -135,8 +117,9 @@ def _layer_model(lora):
 def layer_counts(seq: int) -> dict:
     from twinkle_specs.lora import LoraConfig
     from twinkle_specs.lora.layers import LoraLayerMixin
+    from twinkle_specs.parity import _init_single_process
 
-    _init_single_rank()
+    _init_single_process()
     torch.manual_seed(0)
     results = {}
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
