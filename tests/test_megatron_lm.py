@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import torchrun
 
 import twinkle_specs as ts
 
@@ -50,12 +50,7 @@ def test_flags_parse_with_megatron_lm_parser(kind, checkpoints):
 def test_stock_pretrain_gpt_trains_with_the_spec(kind, checkpoints, tmp_path):
     flags = ts.megatron_args_from_hf(checkpoints(kind))
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "1",
-        f"--master-port={free_port()}",
+        *torchrun(1),
         str(Path(ROOT) / "pretrain_gpt.py"),
         *flags,
         "--micro-batch-size",
