@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from .flops import peak_flops, step_flops
 
@@ -154,6 +155,22 @@ def time_steps(step, warmup: int, steps: int) -> dict[str, Any]:
     return result
 
 
+def activation_memory(forward, finish) -> dict[str, float]:
+    """What one forward leaves allocated for its backward (the saved activations, plus the loss): the
+    LoRA-vs-frozen memory comparison without the weights, optimizer state and transient peaks. Runs a
+    whole step (``finish(forward())``) so that the model's state stays as training leaves it."""
+    if not on_gpu():
+        return {}
+    _sync()
+    before = torch.cuda.memory_allocated()
+    loss = forward()
+    _sync()
+    held = torch.cuda.memory_allocated() - before
+    finish(loss)
+    _sync()
+    return {"activation_memory_gib": held / GiB}
+
+
 # -------------------------------------------------------------------------------------------- profile
 
 # Kernel-name patterns -> category, for "where the time goes" (first match wins).
@@ -182,6 +199,9 @@ CATEGORIES = (
     ("copy_cast", ("copy", "cast", "convert", "fill", "zero")),
     ("elementwise", ("elementwise", "vectorized", "reduce", "mul", "add")),
 )
+
+
+RANGES = ("forward", "backward", "optimizer")  # record_function ranges of every step
 
 
 def categorize(name: str) -> str:
@@ -218,6 +238,8 @@ def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool) -> dict[st
             t = ev.self_cpu_time_total
         if t <= 0 or (on_gpu() and str(getattr(ev, "device_type", "")).endswith("CPU")):
             continue
+        if ev.key in RANGES or ev.key.startswith("Optimizer."):
+            continue  # annotations (ours, torch.optim's) span kernels that are counted themselves
         device_total += t
         cat = categorize(ev.key)
         by_cat[cat] = by_cat.get(cat, 0.0) + t
@@ -237,11 +259,38 @@ def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool) -> dict[st
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"== {tag}", f"wall {wall_ms:.1f} ms/step, device busy {busy_ms:.1f} ms/step"]
     lines += [f"  {k:<16} {v:9.2f} ms/step" for k, v in per_step_ms.items()]
-    (out_dir / f"profile-{tag}.txt").write_text("\n".join(lines) + "\n\n" + table + "\n")
+    cpu_table = averages.table(sort_by="cpu_time_total", row_limit=25)
+    host = _host_profile(step, n)
+    text = "\n\n".join(
+        [
+            "\n".join(lines),
+            table,
+            "host (CPU) time, by operator and range (forward/backward/optimizer):\n" + cpu_table,
+            f"host Python functions, cProfile over {n} more steps (by own time):\n{host}",
+        ]
+    )
+    (out_dir / f"profile-{tag}.txt").write_text(text + "\n")
     if trace:
         prof.export_chrome_trace(str(out_dir / f"trace-{tag}.json"))
         summary["trace"] = f"trace-{tag}.json"
     return summary
+
+
+def _host_profile(step, n: int) -> str:
+    """cProfile of ``n`` steps: where the host's time goes when the GPU waits on it (launch-bound)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        step()
+    _sync()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    return buf.getvalue()
 
 
 # ----------------------------------------------------------------------------------- megatron side
@@ -269,8 +318,20 @@ def init_megatron(s: Settings) -> None:
     if on_gpu():
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        kwargs = {"use_cudagraphable_rng": True} if s.cuda_graphs == "local" else {}
-        model_parallel_cuda_manual_seed(s.seed, **kwargs)
+        # CUDA graphs need TE's graph-safe RNG tracker (TE attention asserts it), local graphs also
+        # megatron's graphable RNG; TE graphs size their warm-up by megatron's micro-batch calculator.
+        graphs = s.cuda_graphs != "none"
+        model_parallel_cuda_manual_seed(
+            s.seed,
+            te_rng_tracker=graphs,
+            use_cudagraphable_rng=s.cuda_graphs == "local",
+            force_reset_rng=graphs,
+        )
+        if s.cuda_graphs == "transformer_engine":
+            from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+            mbs = s.micro_batch_size
+            init_num_microbatches_calculator(0, None, mbs, mbs, 1)
     torch.manual_seed(s.seed)
 
 
@@ -286,7 +347,7 @@ def megatron_overrides(s: Settings, arch) -> dict[str, Any]:
         if arch.is_moe:
             o |= {"moe_grouped_gemm": True}
         if s.cuda_graphs != "none":
-            o |= {"cuda_graph_impl": s.cuda_graphs}
+            o |= {"cuda_graph_impl": s.cuda_graphs, "use_te_rng_tracker": True}
     return o | s.mcore_overrides
 
 
@@ -442,15 +503,23 @@ def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: st
         )
     local_graphs = on_gpu() and s.cuda_graphs == "local"
 
-    def step():
-        loss = wrapped(tokens, position_ids, None, labels=labels).float().mean()
-        loss.backward()
+    def forward():
+        with record_function("forward"):
+            return wrapped(tokens, position_ids, None, labels=labels).float().mean()
+
+    def backward_and_update(loss):
+        with record_function("backward"):
+            loss.backward()
         if local_graphs:
             from megatron.core.transformer.cuda_graphs import create_cudagraphs
 
             create_cudagraphs()
-        finish()
+        with record_function("optimizer"):
+            finish()
         return loss.detach()
+
+    def step():
+        return backward_and_update(forward())
 
     if te_graphs is not None:
         for _ in range(max(s.warmup, config.cuda_graph_warmup_steps)):
@@ -459,6 +528,7 @@ def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: st
         te_graphs.cuda_graph_set_manual_hooks()
     result["step"] = "forward + backward" + (" + optimizer step" if variant != "twinkle_frozen" else "")
     result |= time_steps(step, s.warmup, s.steps)
+    result |= activation_memory(forward, backward_and_update)
     if s.profile:
         result["profile"] = profile_steps(step, s.profile_steps, out_dir, tag, s.profile_trace)
     return result
@@ -538,16 +608,25 @@ def run_hf(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: str) -> 
     gen = torch.Generator().manual_seed(s.seed)
     tokens = torch.randint(0, config.vocab_size, (s.micro_batch_size, s.seq_len), generator=gen).to(dev)
 
-    def step():
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def forward():
+        with record_function("forward"):
+            return model(input_ids=tokens, labels=tokens).loss
+
+    def backward_and_update(loss):
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return loss.detach()
+
+    def step():
+        return backward_and_update(forward())
 
     result["step"] = "forward + backward + optimizer step"
     result |= time_steps(step, s.warmup, s.steps)
+    result |= activation_memory(forward, backward_and_update)
     if s.profile:
         result["profile"] = profile_steps(step, s.profile_steps, out_dir, tag, s.profile_trace)
     return result

@@ -14,6 +14,7 @@ RATIOS = (
     ("b_over_a_tokens_per_s", "twinkle_full", "mcore_te_full", "tokens_per_s_per_gpu", 0.98),
     ("c_over_e_peak_memory", "twinkle_lora", "twinkle_frozen", "peak_memory_gib", None),
     ("c_over_e_step_memory", "twinkle_lora", "twinkle_frozen", "step_memory_gib", None),
+    ("c_over_e_activation_memory", "twinkle_lora", "twinkle_frozen", "activation_memory_gib", None),
     ("c_over_a_peak_memory", "twinkle_lora", "mcore_te_full", "peak_memory_gib", None),
     ("d_over_f_tokens_per_s", "hf_peft_lora", "hf_full", "tokens_per_s_per_gpu", None),
 )
@@ -128,21 +129,22 @@ def markdown(doc: dict[str, Any]) -> str:
         "## Throughput and memory",
         "",
         "| shape | seq | mbs | variant | impl | tokens/s/GPU | step s (median) | spread (min–max) | TFLOP/s | MFU | "
-        "peak mem GiB | step mem GiB | trainable | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "peak mem GiB | step mem GiB | act mem GiB | trainable | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["results"]:
         head = f"| {r['shape']} | {r['seq_len']} | {r['micro_batch_size']} | {r['label']} "
         if r.get("status") != "ok":
             why = r.get("reason") or r.get("error", "")
-            lines.append(head + f"| – | – | – | – | – | – | – | – | – | {r.get('status')}: {why[:160]} |")
+            lines.append(head + f"| – | – | – | – | – | – | – | – | – | – | {r.get('status')}: {why[:160]} |")
             continue
         t = r["step_time_s"]
         lines.append(
             head + f"| {r.get('impl', '')} | {r['tokens_per_s_per_gpu']:,.0f} | {t['median']:.4f} | "
             f"{t['min']:.4f}–{t['max']:.4f}{_repeats(r)} | {_fmt(r.get('tflops_per_s_per_gpu'), '.1f')} | "
             f"{_fmt(r.get('mfu'), '.1%')} | {_fmt(r.get('peak_memory_gib'))} | "
-            f"{_fmt(r.get('step_memory_gib'))} | {r.get('trainable_params', 0):,} | ok |"
+            f"{_fmt(r.get('step_memory_gib'))} | {_fmt(r.get('activation_memory_gib'))} | "
+            f"{r.get('trainable_params', 0):,} | ok |"
         )
     lines += ["", "## Ratios", "", "| group | " + " | ".join(n for n, *_ in RATIOS) + " |"]
     lines.append("|---" * (len(RATIOS) + 1) + "|")

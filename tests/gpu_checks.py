@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 # fp32: TE's GEMMs and fused RMSNorm/RoPE/attention kernels (TF32 tensor-core math) vs transformers'
 # eager fp32 ops; measured on H200: max |Δ| 3.4e-3, mean |Δ| 5e-4, cosine 0.9999995 (Qwen2, 128 tokens).
 FP32_MAX_ABS = 1e-2
@@ -33,3 +35,11 @@ class Evidence:
         out = os.environ.get("TWINKLE_EVIDENCE_DIR")
         if out:
             Path(out, self.filename).write_text(json.dumps(self.values, indent=2))
+
+
+def fp32_router(kind: str, dtype: torch.dtype) -> dict:
+    """fp32 runs of MoE models compute the router in fp64. From core_v0.19 megatron-core's router GEMM
+    goes through TE's general_gemm (TF32 for fp32 inputs), and a near-tied top-k then routes a token
+    differently from transformers' exact fp32 GEMM (measured on H200: max |Δ| 0.80, mean 4.0e-3 with
+    the default, 3.7e-3 / 5.3e-4 with fp64; scripts/gpu/diagnose_moe_parity.py). fp64 takes torch's GEMM."""
+    return {"moe_router_dtype": "fp64"} if "moe" in kind and dtype == torch.float32 else {}

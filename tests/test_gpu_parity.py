@@ -15,6 +15,7 @@ from gpu_checks import (
     FP32_MIN_COSINE,
     FP32_MOE_MAX_ABS,
     Evidence,
+    fp32_router,
 )
 from models import YARN_SEQ, batch
 
@@ -24,14 +25,6 @@ pytestmark = [
 ]
 
 EVIDENCE = Evidence("gpu-parity.json")
-
-
-def fp32_router(kind: str, dtype: torch.dtype) -> dict:
-    """fp32 runs of MoE models compute the router in fp64. From core_v0.19 megatron-core's router GEMM
-    goes through TE's general_gemm (TF32 for fp32 inputs), and a near-tied top-k then routes a token
-    differently from transformers' exact fp32 GEMM (measured on H200: max |Δ| 0.80, mean 4.0e-3 with
-    the default, 3.7e-3 / 5.3e-4 with fp64; scripts/gpu/diagnose_moe_parity.py). fp64 takes torch's GEMM."""
-    return {"moe_router_dtype": "fp64"} if "moe" in kind and dtype == torch.float32 else {}
 
 
 @pytest.fixture(scope="module")

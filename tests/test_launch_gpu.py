@@ -186,10 +186,12 @@ def test_full_finetune_qwen3_real_dataset(e2e):
     _check_first_loss("full-qwen3-indexed-data", losses, e2e["qwen3"], dump)
 
 
-def test_full_finetune_qwen2_5_mock(e2e):
-    out = e2e["root"] / "full-qwen2_5"
-    losses, dump, _ = pretrain(e2e["qwen2_5"], out, "--mock-data")
-    _check_first_loss("full-qwen2.5-mock", losses, e2e["qwen2_5"], dump)
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "8"]], ids=["full", "lora"])
+def test_qwen2_5_mock(e2e, lora):
+    """Qwen2.5 (QKV bias): full fine-tune and LoRA (the adapters sit beside the biased QKV)."""
+    name = ("lora" if lora else "full") + "-qwen2.5-mock"
+    losses, dump, _ = pretrain(e2e["qwen2_5"], e2e["root"] / name, "--mock-data", *lora)
+    _check_first_loss(name, losses, e2e["qwen2_5"], dump)
 
 
 def test_lora_qwen3_save_resume_and_peft_export(e2e):

@@ -3,7 +3,7 @@
 Builds portable LoRA linears at TP=2 (optionally with sequence parallelism), runs the fused adapter
 and the per-slot reference on the same input and output gradient, and writes (rank<N>.json in --out)
 per case the largest |Δ| over output, input gradient and factor gradients, relative to the reference's
-largest value.
+largest value; without sequence parallelism likewise for the layer's whole forward (``<case>-forward``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from test_lora_fused import S, _config, _portable, _rel, _run
 
     dist.init_process_group("gloo")
@@ -57,6 +58,13 @@ def main() -> None:
         ref = _run(layer, layer.lora_delta_per_slot, x, grad)
         assert fused[0].shape == grad.shape, (name, fused[0].shape, grad.shape)
         worst[name] = _rel(fused, ref)
+        if args.sp:  # megatron's sequence-parallel base linears allocate CUDA buffers: no base on CPU
+            continue
+        # the layer's forward (base + lora_down/lora_up) vs the base's own forward + the reference
+        base = (RowParallelLinear if row else ColumnParallelLinear).forward
+        got = _run(layer, lambda x: layer(x)[0], x, grad)  # noqa: B023
+        want = _run(layer, lambda x: base(layer, x)[0] + layer.lora_delta_per_slot(x), x, grad)  # noqa: B023
+        worst[f"{name}-forward"] = _rel(got, want)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(worst))
     ps.destroy_model_parallel()
     dist.destroy_process_group()

@@ -26,6 +26,7 @@ from gpu_checks import (
     FP32_MIN_COSINE,
     FP32_MOE_MAX_ABS,
     Evidence,
+    fp32_router,
 )
 
 pytestmark = [
@@ -121,6 +122,7 @@ def test_te_lora_matches_peft(kind, targets, extra, dtype, lora_checkpoints, gpu
         bf16=dtype == torch.bfloat16,
         parallel_output=False,
         **extra,
+        **fp32_router(kind, dtype),
     ).eval()
     wrappers = {type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Lora")}
     assert wrappers and all("TE" in w or w == "LoraTopKRouter" for w in wrappers), wrappers

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from ..parallel import is_adapter_param, model_chunks
 from .layers import LoraLayerMixin
+
+log = logging.getLogger(__name__)
 
 
 def lora_modules(model) -> Iterator[tuple[int, str, LoraLayerMixin]]:
@@ -46,6 +50,84 @@ def prepare_lora_model(model) -> None:
         embedding = getattr(chunk, "embedding", None)
         if embedding is not None and not getattr(chunk, "_lora_input_hook", None):
             chunk._lora_input_hook = embedding.register_forward_hook(_require_grad_hook)
+        link_activation_inputs(chunk)
+
+
+class PreActivation:
+    """Hands an MLP's ``linear_fc1`` output (the SwiGLU input) to the adapter of its ``linear_fc2``.
+
+    The fc2 adapter needs its input ``x = swiglu(pre)`` again for A's gradient. The frozen base does
+    not keep ``x`` (TE saves no GEMM input without a weight gradient), but SwiGLU keeps ``pre``; saving
+    ``pre`` and recomputing ``x`` costs one activation kernel in backward instead of an FFN-size tensor
+    per layer. The first use checks that the recomputation reproduces ``x`` bit for bit (the MLP may
+    apply its activation differently: fused or not, per-token scales); if not, this link is switched off
+    and fc2's adapter saves ``x`` as before.
+    """
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], name: str) -> None:
+        self.fn, self.name = fn, name
+        self.pending: torch.Tensor | None = None
+        self.checked = self.ok = False
+
+    def put(self, _module: torch.nn.Module, _inputs: tuple, output) -> None:
+        self.pending = output[0] if isinstance(output, tuple) else output
+
+    def take(self, x: torch.Tensor) -> tuple | None:
+        """``(pre, fn)`` with ``fn(pre) == x``, or None; drops the reference either way."""
+        pre, self.pending = self.pending, None
+        if pre is None or pre.shape[:-1] != x.shape[:-1] or pre.shape[-1] != 2 * x.shape[-1]:
+            return None
+        if not self.checked:
+            self.checked = True
+            with torch.no_grad():
+                self.ok = torch.equal(self.fn(pre), x)
+            if not self.ok:
+                log.warning(
+                    "%s: the fc2 adapter input is not swiglu(fc1 output); it is saved as is", self.name
+                )
+        return (pre, self.fn) if self.ok else None
+
+
+def swiglu_eager(pre: torch.Tensor) -> torch.Tensor:
+    """megatron's unfused gated-SiLU (``glu`` in MLP.forward without clamp or offset)."""
+    gate, up = torch.chunk(pre, 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _activation_fn(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How the MLP turns fc1's output into fc2's input, where that can be recomputed from the same
+    saved tensor (SwiGLU without bias, fp8 input store or CPU offload); None otherwise."""
+    if not (config.gated_linear_unit and config.activation_func is F.silu) or config.add_bias_linear:
+        return None
+    if config.activation_func_fp8_input_store or getattr(config, "cpu_offloading", False):
+        return None
+    if getattr(config, "use_te_activation_func", False) or getattr(
+        config, "activation_func_clamp_value", None
+    ):
+        return None
+    if getattr(config, "glu_linear_offset", 0.0):
+        return None
+    if config.bias_activation_fusion:
+        from megatron.core.fusions.fused_bias_swiglu import swiglu
+
+        return swiglu
+    return swiglu_eager
+
+
+def link_activation_inputs(chunk: torch.nn.Module) -> None:
+    """Gives every MLP whose ``linear_fc2`` carries an adapter a :class:`PreActivation` link (idempotent)."""
+    for name, mlp in chunk.named_modules():
+        fc1, fc2 = getattr(mlp, "linear_fc1", None), getattr(mlp, "linear_fc2", None)
+        if not isinstance(fc2, LoraLayerMixin) or not fc2.lora_slots or fc2.lora_activation_input:
+            continue
+        if fc2.lora_num_gemms or not isinstance(fc1, torch.nn.Module):
+            continue  # grouped experts: per-expert token blocks, their own path
+        fn = _activation_fn(mlp.config)
+        if fn is None:
+            continue
+        link = PreActivation(fn, f"{name}.linear_fc2")
+        fc1.register_forward_hook(link.put)
+        fc2.lora_activation_input = link
 
 
 def merge_lora(model) -> None:

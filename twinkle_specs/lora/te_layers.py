@@ -11,6 +11,8 @@ else one expert at a time.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,23 +39,35 @@ class LoraTELayerNormColumnParallelLinear(LoraLinearMixin, TELayerNormColumnPara
 
     lora_parallel = "column"
 
-    def lora_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The same norm megatron configured TE with (normalization, epsilon, zero-centred gamma).
-
-        ``F.rms_norm`` in the input's dtype computes in fp32 internally (torch's composite upcasts,
-        the CUDA kernel accumulates in fp32) and rounds once at the end, like the explicit
-        ``x.float()`` ... ``.to(x.dtype)`` it replaces, without the two full-size casts; on CUDA it
-        is one fused kernel each way. A zero-centred gamma (``1 + w``, which bf16 cannot hold
-        exactly) or a weight of another dtype keeps the explicit fp32 computation.
-        """
+    def lora_input_norm(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The same norm megatron configured TE with (normalization, epsilon, zero-centred gamma)."""
         config = self.config
         if config.normalization != "RMSNorm":
             raise NotImplementedError(f"LoRA on a {config.normalization}-fused linear: Qwen uses RMSNorm")
-        weight, eps = self.layer_norm_weight, config.layernorm_epsilon
-        if not config.layernorm_zero_centered_gamma and weight.dtype == x.dtype:
-            return F.rms_norm(x, (x.shape[-1],), weight, eps)
-        weight = weight.float() + 1 if config.layernorm_zero_centered_gamma else weight.float()
-        return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+        return functools.partial(
+            rms_norm_input,
+            weight=self.layer_norm_weight,
+            eps=config.layernorm_epsilon,
+            zero_centered=config.layernorm_zero_centered_gamma,
+        )
+
+    def lora_norm_trainable(self) -> bool:
+        return self.layer_norm_weight.requires_grad
+
+
+def rms_norm_input(x: torch.Tensor, *, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    """RMSNorm of the adapter input as TE computes it before its GEMM.
+
+    ``F.rms_norm`` in the input's dtype computes in fp32 internally (torch's composite upcasts, the CUDA
+    kernel accumulates in fp32) and rounds once at the end, like an explicit ``x.float()`` ...
+    ``.to(x.dtype)``, without the two full-size casts; on CUDA it is one fused kernel each way. A
+    zero-centred gamma (``1 + w``, which bf16 cannot hold exactly) or a weight of another dtype keeps
+    the explicit fp32 computation.
+    """
+    if not zero_centered and weight.dtype == x.dtype:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    w = weight.float() + 1 if zero_centered else weight.float()
+    return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
 
 
 class LoraTEColumnParallelLinear(LoraLinearMixin, TEColumnParallelLinear):

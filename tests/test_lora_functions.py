@@ -1,0 +1,194 @@
+"""The adapter's autograd functions (twinkle_specs.lora.functions) on CPU: the layers' forward
+(``out + h @ B^T`` as one addmm, B's gradient through the inverse gather) against the per-slot
+reference, and what they save for backward.
+
+Memory is measured as the bytes of the distinct storages that autograd saves (saved-tensor hooks), so
+a tensor the base layer saves anyway costs nothing twice. The stand-ins of test_lora_te_standin.py
+behave like TE with a frozen weight: no GEMM input is saved. Tolerances: fp32, rel 1e-5 where the
+summation order differs (measured <= 3e-7); bit-exact where the same kernels run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_lora_fused import CASES, SIZES, _factors, _portable, _randomize, _rel, _run
+from test_lora_support import single_rank  # noqa: F401  (fixture)
+from test_lora_te_standin import _config, te  # noqa: F401  (fixture)
+
+from twinkle_specs.lora.config import SlotSpec
+from twinkle_specs.lora.model import PreActivation, link_activation_inputs, swiglu_eager
+
+REL_TOL = 1e-5
+S = SlotSpec
+
+
+def saved_bytes(fn) -> tuple[torch.Tensor, int]:
+    """``fn()`` and the bytes of the distinct storages autograd saved for its backward."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
+@pytest.mark.parametrize("site,slots", list(CASES.values()), ids=list(CASES))
+def test_layer_forward_equals_per_slot_reference(site, slots, single_rank):  # noqa: F811
+    """The layer's forward (lora_down + lora_up) vs base + per-slot delta: output and the gradients of
+    the input and of every factor."""
+    layer = _portable(site, slots)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 2, SIZES[site][0], generator=g)
+    grad = torch.randn(6, 2, SIZES[site][1], generator=g)
+    got = _run(layer, lambda x: layer(x)[0], x, grad)
+    want = _run(layer, lambda x: F.linear(x, layer.weight) + layer.lora_delta_per_slot(x), x, grad)
+    assert _rel(got, want) <= REL_TOL
+    assert all(t.abs().max() > 0 for t in got[1:])
+
+
+def _norm_fused(te, slots=None):  # noqa: F811
+    slots = slots or {"q_proj": S(4, 8, False), "k_proj": S(2, 4, False), "v_proj": S(4, 8, False)}
+    layer = te.LoraTELayerNormColumnParallelLinear(
+        32, 64, config=_config(), lora_site="linear_qkv", lora_slots=slots, lora_dropout=0.0
+    )
+    _randomize(layer)
+    for p in (layer.weight, layer.layer_norm_weight):
+        p.requires_grad_(False)  # a LoRA model's frozen base
+    return layer
+
+
+def test_norm_fused_adapter_recomputes_the_norm(te, single_rank, monkeypatch):  # noqa: F811
+    """The norm-fused QKV adapter saves x (which the base's norm saves too), not norm(x): same output
+    and gradients as autograd over the ops, and no hidden-size tensor saved beyond the base's."""
+    layer = _norm_fused(te)
+    x = torch.randn(16, 2, 32)
+    grad = torch.randn(16, 2, 64)
+
+    def forward(x):
+        return layer(x)[0]
+
+    fast = _run(layer, forward, x, grad)
+    xr = x.clone().requires_grad_(True)
+    _, fast_bytes = saved_bytes(lambda: forward(xr))
+    layer.lora_merged = True  # the base alone (merge() would change the weight; this only skips)
+    _, base_bytes = saved_bytes(lambda: forward(xr))
+    layer.lora_merged = False
+    monkeypatch.setattr(type(layer), "lora_norm_trainable", lambda self: True)  # plain autograd ops
+    ops = _run(layer, forward, x, grad)
+    _, ops_bytes = saved_bytes(lambda: forward(xr))
+    assert _rel(fast, ops) <= REL_TOL
+    tokens, hidden, ranks = 32, 32, 10
+    # saved beyond the base: h [tokens, r] and the small A/B factors, nothing of [tokens, hidden]
+    assert fast_bytes - base_bytes <= 4 * (tokens * ranks + 64 * ranks + ranks * hidden)
+    assert ops_bytes - fast_bytes >= 4 * tokens * hidden  # the ops path keeps norm(x): the check can fail
+
+
+class _MLP(torch.nn.Module):
+    """fc1 -> SwiGLU -> fc2 over TE stand-ins, with a frozen base and an adapter on fc2."""
+
+    def __init__(self, te, scale_after: float = 1.0):  # noqa: F811
+        super().__init__()
+        self.config = _config(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False)
+        self.linear_fc1 = te.LoraTEColumnParallelLinear(
+            32,
+            96,
+            config=self.config,
+            lora_site="linear_fc1",
+            lora_slots={"up_proj": S(4, 8, False)},
+            lora_dropout=0.0,
+        )
+        self.linear_fc2 = te.LoraTERowParallelLinear(
+            48,
+            32,
+            config=self.config,
+            lora_site="linear_fc2",
+            lora_slots={"down_proj": S(4, 8, False)},
+            lora_dropout=0.0,
+        )
+        self.scale_after = scale_after  # != 1: the MLP's activation is not plain SwiGLU
+        for lin in (self.linear_fc1, self.linear_fc2):
+            _randomize(lin)
+            lin.weight.requires_grad_(False)
+
+    def forward(self, x):
+        pre, _ = self.linear_fc1(x)
+        return self.linear_fc2(swiglu_eager(pre) * self.scale_after)[0]
+
+
+def test_fc2_adapter_saves_the_pre_activation(te, single_rank):  # noqa: F811
+    """With the fc1 -> fc2 link the fc2 adapter saves SwiGLU's input (kept by SwiGLU anyway) and
+    recomputes its own input: identical gradients, one FFN-size tensor less saved per MLP."""
+    mlp = _MLP(te)
+    x = torch.randn(16, 2, 32)
+    grad = torch.randn(16, 2, 32)
+    plain = _run(mlp.linear_fc2, mlp, x, grad) + [p.grad for p in _factors(mlp.linear_fc1)]
+    xr = x.clone().requires_grad_(True)
+    _, plain_bytes = saved_bytes(lambda: mlp(xr))
+    link_activation_inputs(mlp)
+    link = mlp.linear_fc2.lora_activation_input
+    assert isinstance(link, PreActivation)
+    linked = _run(mlp.linear_fc2, mlp, x, grad) + [p.grad for p in _factors(mlp.linear_fc1)]
+    assert link.checked and link.ok and link.pending is None
+    _, linked_bytes = saved_bytes(lambda: mlp(xr))
+    assert all(torch.equal(a, b) for a, b in zip(linked, plain, strict=True))
+    assert plain_bytes - linked_bytes >= 4 * 32 * 48  # fc2's input [tokens, ffn] no longer saved
+    link_activation_inputs(mlp)  # idempotent: still the one link
+    assert mlp.linear_fc2.lora_activation_input is link
+
+
+def test_fc2_link_switches_itself_off_when_the_activation_differs(te, single_rank, caplog):  # noqa: F811
+    """An MLP whose fc2 input is not swiglu(fc1 output) (here scaled after the activation): the first
+    forward's check fails, the link is off and says so, and the gradients are those of the plain path."""
+    mlp = _MLP(te, scale_after=2.0)
+    x = torch.randn(8, 2, 32)
+    grad = torch.randn(8, 2, 32)
+    plain = _run(mlp.linear_fc2, mlp, x, grad)
+    link_activation_inputs(mlp)
+    with caplog.at_level(logging.WARNING, logger="twinkle_specs.lora.model"):
+        linked = _run(mlp.linear_fc2, mlp, x, grad)
+    link = mlp.linear_fc2.lora_activation_input
+    assert link.checked and not link.ok
+    assert "not swiglu" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(linked, plain, strict=True))
+
+
+def test_model_links_every_dense_fc2(tmp_path, single_rank):  # noqa: F811
+    """build_model(lora=...) links each layer's MLP; after a training step every link has checked
+    itself (megatron's MLP applies the same SwiGLU) and the gradients equal those without links."""
+    from test_lora_support import make_checkpoint, tokens
+
+    import twinkle_specs as ts
+    from twinkle_specs.lora import LoraConfig, adapter_parameters
+
+    hf = make_checkpoint("qwen3", tmp_path / "hf")
+    model = ts.build_model(hf, lora=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for p in adapter_parameters(model):
+        with torch.no_grad():
+            p.normal_(0, 0.05)
+    links = [m.lora_activation_input for n, m in model.named_modules() if n.endswith("mlp.linear_fc2")]
+    assert links and all(isinstance(k, PreActivation) for k in links)
+    toks = tokens()
+    pos = torch.arange(toks.shape[1]).expand_as(toks)
+
+    def grads():
+        for p in adapter_parameters(model):
+            p.grad = None
+        model(toks, pos, None).float().square().mean().backward()
+        return [p.grad.clone() for p in adapter_parameters(model)]
+
+    linked = grads()
+    assert all(k.checked and k.ok for k in links)
+    for n, m in model.named_modules():
+        if n.endswith("mlp.linear_fc2"):
+            m.lora_activation_input = None
+    plain = grads()
+    assert all(torch.equal(a, b) for a, b in zip(linked, plain, strict=True))
+    assert all(g.abs().max() > 0 for g in linked)
