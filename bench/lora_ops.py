@@ -139,14 +139,21 @@ def layer_counts(seq: int) -> dict:
         if cfg is None:
             results["base_frozen"] = fwd_bwd(run, x)
             continue
-        fused = LoraLayerMixin.lora_delta
+        current = LoraLayerMixin._lora_add
         try:
-            LoraLayerMixin.lora_delta = LoraLayerMixin.lora_delta_per_slot
+            LoraLayerMixin._lora_add = _per_slot_add
             results["lora_before"] = fwd_bwd(run, x, params=params)
         finally:
-            LoraLayerMixin.lora_delta = fused
+            LoraLayerMixin._lora_add = current
         results["lora_after"] = fwd_bwd(run, x, params=params)
     return results
+
+
+def _per_slot_add(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The layers' forward before the fusion: base output plus the per-slot reference delta."""
+    if self.lora_merged or not self.lora_slots:
+        return out
+    return out + self.lora_delta_per_slot(x).to(out.dtype)
 
 
 # -- the norm-fused linear's adapter input ------------------------------------------------------------

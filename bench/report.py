@@ -135,7 +135,7 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in doc["results"]:
         head = f"| {r['shape']} | {r['seq_len']} | {r['micro_batch_size']} | {r['label']} "
         if r.get("status") != "ok":
-            why = r.get("reason") or r.get("error", "")
+            why = " ".join((r.get("reason") or r.get("error", "")).split())
             lines.append(head + f"| – | – | – | – | – | – | – | – | – | – | {r.get('status')}: {why[:160]} |")
             continue
         t = r["step_time_s"]

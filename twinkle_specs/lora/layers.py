@@ -27,9 +27,9 @@ one ``scaling`` multiply of the rank-sum activation (never of the full-size outp
 communication of it, and one B GEMM with a block-structured B assembled in the fused output layout
 (QKV interleaved per query group, [gate; up], zero blocks for untargeted projections) by a single
 gather. :meth:`LoraLayerMixin.lora_delta_per_slot` keeps the per-slot computation as the reference.
-In training without dropout both GEMMs run inside the two autograd functions of :mod:`.functions`
-(which also keep the adapter from saving activations the frozen base does not save); with dropout, a
-trainable norm weight or mixed dtypes the same math runs as plain autograd ops.
+The B GEMM and the addition to the base output are one ``addmm``. In training, the A GEMM of a
+norm-fused linear (and of fc2, see :class:`~twinkle_specs.lora.model.PreActivation`) keeps a recipe for
+its input instead of the input (:mod:`.recompute`): the frozen base does not save that activation.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from .config import SITE_SLOTS, SlotSpec
-from .functions import lora_down, lora_up, zeros
+from .recompute import linear_recomputing_input, recompute_allowed
 
 
 class LoraLayerMixin:
@@ -149,10 +149,6 @@ class LoraLayerMixin:
         ``norm(x)``); None for a plain linear. Norm-fused linears override this."""
         return None
 
-    def lora_norm_trainable(self) -> bool:
-        """Whether that norm has a weight that needs a gradient (then plain autograd ops run)."""
-        return False
-
     def lora_input(self, x: torch.Tensor) -> torch.Tensor:
         """What the adapter sees: the linear's input, or its normalised input for a norm-fused linear."""
         norm = self.lora_input_norm()
@@ -161,38 +157,24 @@ class LoraLayerMixin:
     def lora_hidden(self, x: torch.Tensor, activation: tuple | None = None) -> torch.Tensor:
         """``scaling * A(dropout(input))`` of all slots after the TP communication, [..., sum(r)].
 
-        Without active dropout and with a frozen norm this is one autograd function (:func:`lora_down`)
-        that saves ``x`` (the norm is recomputed in backward) or, given ``activation = (pre, fn)`` with
-        ``x == fn(pre)``, the pre-activation ``pre`` instead of ``x``.
+        In training without dropout the A GEMM keeps ``x`` (a norm-fused linear: the norm is
+        recomputed in backward) or, given ``activation = (pre, fn)`` with ``x == fn(pre)``, ``pre``
+        rather than its own input; see :mod:`.recompute`.
         """
-        if _dropout_active(self.lora_dropout) or (torch.is_grad_enabled() and self.lora_norm_trainable()):
-            return self._lora_hidden_ops(x)
-        a = [self.lora_A[s] for s in self.lora_slots]
-        h = lora_down(
-            x, a, self._lora_scale_arg(x.device), norm=self.lora_input_norm(), activation=activation
-        )
-        return self._lora_comm(h)
-
-    def _lora_hidden_ops(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.lora_input(x)
-        if len(self.lora_slots) > 1 and _dropout_active(self.lora_dropout):
-            h = torch.cat([F.linear(self.lora_dropout(x), self.lora_A[s]) for s in self.lora_slots], dim=-1)
+        norm = self.lora_input_norm()
+        inp = x if norm is None else norm(x)
+        dropout = _dropout_active(self.lora_dropout)
+        if len(self.lora_slots) > 1 and dropout:
+            h = torch.cat([F.linear(self.lora_dropout(inp), self.lora_A[s]) for s in self.lora_slots], dim=-1)
+        elif dropout or not torch.is_grad_enabled() or not recompute_allowed():
+            h = F.linear(self.lora_dropout(inp), self.lora_A_fused())
+        elif norm is not None:
+            h = linear_recomputing_input(inp, self.lora_A_fused(), x, norm)
+        elif activation is not None:
+            h = linear_recomputing_input(inp, self.lora_A_fused(), *activation)
         else:
-            h = F.linear(self.lora_dropout(x), self.lora_A_fused())
+            h = F.linear(inp, self.lora_A_fused())
         return self._lora_comm(self._lora_scale(h))
-
-    def _lora_scale_arg(self, device: torch.device) -> float | torch.Tensor:
-        """The slots' scaling for :func:`lora_down`: one number, or fp32 per rank-r column if they differ."""
-        scalings = [self.lora_spec[s].scaling for s in self.lora_slots]
-        if len(set(scalings)) == 1:
-            return scalings[0]
-        cached = getattr(self, "_lora_column_scale", None)
-        if cached is None or cached.device != device:
-            cols = [
-                c for s, c in zip(self.lora_slots, scalings, strict=True) for _ in range(self.lora_spec[s].r)
-            ]
-            cached = self._lora_column_scale = torch.tensor(cols, dtype=torch.float32, device=device)
-        return cached
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """scaling * B(A(dropout(x))) for every slot, laid out like the base output shard.
@@ -225,14 +207,9 @@ class LoraLayerMixin:
             return self.lora_B[slots[0]]
         b = self.lora_B[self.lora_slots[0]]
         layout = _fused_b_layout(self._lora_b_key(), b.device)
-        flat = torch.cat(
-            [*(self.lora_B[s].reshape(-1) for s in self.lora_slots), zeros(layout.zeros, b.dtype, b.device)]
-        )
+        zeros = _zeros(layout.zeros, b.dtype, b.device)
+        flat = torch.cat([*(self.lora_B[s].reshape(-1) for s in self.lora_slots), zeros])
         return _Gather.apply(flat, layout.index, layout.inverse).view(layout.rows, layout.cols)
-
-    def _lora_b_layout(self, device: torch.device) -> Any:
-        """The fused-B layout of a multi-slot site (QKV, gate/up), None where B is one slot's factor."""
-        return None if len(SITE_SLOTS[self.lora_site]) == 1 else _fused_b_layout(self._lora_b_key(), device)
 
     def _lora_b_key(self) -> tuple:
         """What the fused-B layout depends on (hashable; shared by every layer of the same shape)."""
@@ -292,15 +269,16 @@ class LoraLayerMixin:
         return torch.cat(parts, dim=-1).flatten(-2)
 
     def _lora_add(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``out`` plus the adapter delta of ``x``: :func:`lora_up` (one addmm) where the dtypes agree."""
+        """``out`` plus the adapter delta of ``x``; the B GEMM and the sum are one ``addmm``."""
         activation = self.lora_activation_input.take(x) if self.lora_activation_input else None
         if self.lora_merged or not self.lora_slots:
             return out
         h = self.lora_hidden(x, activation)
-        b = [self.lora_B[s] for s in self.lora_slots]
-        if out.dtype == h.dtype == b[0].dtype:
-            return lora_up(out, h, b, self._lora_b_layout(h.device))
-        return out + F.linear(h, self.lora_B_fused()).to(out.dtype)
+        b = self.lora_B_fused()
+        if out.dtype == h.dtype == b.dtype:
+            flat = torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]), b.t())
+            return flat.view(out.shape)
+        return out + F.linear(h, b).to(out.dtype)
 
     # -- merge -----------------------------------------------------------------------------------
 
@@ -419,6 +397,12 @@ def _fused_b_layout(key: tuple, device: torch.device) -> _BLayout:
     layout.index = layout.index.to(device=device, dtype=torch.int32)
     layout.inverse = layout.inverse.to(device=device, dtype=torch.int32)
     return layout
+
+
+@functools.cache
+def _zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A constant block of ``n`` zeros (never written: it only feeds the fused-B gather)."""
+    return torch.zeros(n, dtype=dtype, device=device)
 
 
 def expert_delta_loop(

@@ -101,6 +101,8 @@ def _activation_fn(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return None
     if config.activation_func_fp8_input_store or getattr(config, "cpu_offloading", False):
         return None
+    if getattr(config, "fine_grained_activation_offloading", False):
+        return None
     if getattr(config, "use_te_activation_func", False) or getattr(
         config, "activation_func_clamp_value", None
     ):

@@ -51,9 +51,6 @@ class LoraTELayerNormColumnParallelLinear(LoraLinearMixin, TELayerNormColumnPara
             zero_centered=config.layernorm_zero_centered_gamma,
         )
 
-    def lora_norm_trainable(self) -> bool:
-        return self.layer_norm_weight.requires_grad
-
 
 def rms_norm_input(x: torch.Tensor, *, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     """RMSNorm of the adapter input as TE computes it before its GEMM.

@@ -1,6 +1,6 @@
-"""The adapter's autograd functions (twinkle_specs.lora.functions) on CPU: the layers' forward
-(``out + h @ B^T`` as one addmm, B's gradient through the inverse gather) against the per-slot
-reference, and what they save for backward.
+"""What the adapter saves for backward, on CPU: the A GEMM's input is recomputed (twinkle_specs.lora
+.recompute) from what the frozen base keeps, and the layers' forward (``out + h @ B^T`` as one addmm)
+equals the per-slot reference.
 
 Memory is measured as the bytes of the distinct storages that autograd saves (saved-tensor hooks), so
 a tensor the base layer saves anyway costs nothing twice. The stand-ins of test_lora_te_standin.py
@@ -19,6 +19,7 @@ from test_lora_fused import CASES, SIZES, _factors, _portable, _randomize, _rel,
 from test_lora_support import single_rank  # noqa: F401  (fixture)
 from test_lora_te_standin import _config, te  # noqa: F401  (fixture)
 
+from twinkle_specs.lora import layers
 from twinkle_specs.lora.config import SlotSpec
 from twinkle_specs.lora.model import PreActivation, link_activation_inputs, swiglu_eager
 
@@ -27,7 +28,12 @@ S = SlotSpec
 
 
 def saved_bytes(fn) -> tuple[torch.Tensor, int]:
-    """``fn()`` and the bytes of the distinct storages autograd saved for its backward."""
+    """``fn()`` and the bytes of the distinct storages autograd saved for its backward.
+
+    The counting hooks are saved-tensor hooks themselves, which the adapter takes for a checkpoint's
+    (it then leaves every save to them); ``recompute_allowed`` is held true while counting so that
+    what is counted is what the adapter saves on its own.
+    """
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -35,15 +41,19 @@ def saved_bytes(fn) -> tuple[torch.Tensor, int]:
         storages[s.data_ptr()] = s.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
+    allowed, layers.recompute_allowed = layers.recompute_allowed, lambda: True
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+    finally:
+        layers.recompute_allowed = allowed
     return out, sum(storages.values())
 
 
 @pytest.mark.parametrize("site,slots", list(CASES.values()), ids=list(CASES))
 def test_layer_forward_equals_per_slot_reference(site, slots, single_rank):  # noqa: F811
-    """The layer's forward (lora_down + lora_up) vs base + per-slot delta: output and the gradients of
-    the input and of every factor."""
+    """The layer's forward (A GEMM, then B GEMM and sum as one addmm) vs base + per-slot delta: output
+    and the gradients of the input and of every factor."""
     layer = _portable(site, slots)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(6, 2, SIZES[site][0], generator=g)
@@ -65,30 +75,65 @@ def _norm_fused(te, slots=None):  # noqa: F811
     return layer
 
 
-def test_norm_fused_adapter_recomputes_the_norm(te, single_rank, monkeypatch):  # noqa: F811
-    """The norm-fused QKV adapter saves x (which the base's norm saves too), not norm(x): same output
-    and gradients as autograd over the ops, and no hidden-size tensor saved beyond the base's."""
+def _saves_its_input(monkeypatch) -> None:
+    """The A GEMM without recomputation: it keeps its own input (what the adapter did before)."""
+    monkeypatch.setattr(layers, "linear_recomputing_input", lambda inp, a, source, fn: F.linear(inp, a))
+
+
+@pytest.mark.parametrize("trainable_norm", [False, True], ids=["frozen-norm", "trainable-norm"])
+def test_norm_fused_adapter_recomputes_the_norm(te, single_rank, monkeypatch, trainable_norm):  # noqa: F811
+    """The norm-fused QKV adapter keeps x (which the base's norm keeps too), not norm(x): the same
+    output and gradients (the norm weight's too, when it trains) as an adapter that keeps norm(x), and
+    with a frozen norm no hidden-size tensor saved beyond the base's."""
     layer = _norm_fused(te)
-    x = torch.randn(16, 2, 32)
-    grad = torch.randn(16, 2, 64)
+    layer.layer_norm_weight.requires_grad_(trainable_norm)
+    x = torch.randn(64, 2, 32)
+    grad = torch.randn(64, 2, 64)
 
     def forward(x):
         return layer(x)[0]
 
-    fast = _run(layer, forward, x, grad)
+    def run():
+        layer.layer_norm_weight.grad = None
+        got = _run(layer, forward, x, grad)
+        return got + ([layer.layer_norm_weight.grad] if trainable_norm else [])
+
+    recomputed = run()
     xr = x.clone().requires_grad_(True)
-    _, fast_bytes = saved_bytes(lambda: forward(xr))
+    _, recomputed_bytes = saved_bytes(lambda: forward(xr))
     layer.lora_merged = True  # the base alone (merge() would change the weight; this only skips)
     _, base_bytes = saved_bytes(lambda: forward(xr))
     layer.lora_merged = False
-    monkeypatch.setattr(type(layer), "lora_norm_trainable", lambda self: True)  # plain autograd ops
-    ops = _run(layer, forward, x, grad)
-    _, ops_bytes = saved_bytes(lambda: forward(xr))
-    assert _rel(fast, ops) <= REL_TOL
-    tokens, hidden, ranks = 32, 32, 10
-    # saved beyond the base: h [tokens, r] and the small A/B factors, nothing of [tokens, hidden]
-    assert fast_bytes - base_bytes <= 4 * (tokens * ranks + 64 * ranks + ranks * hidden)
-    assert ops_bytes - fast_bytes >= 4 * tokens * hidden  # the ops path keeps norm(x): the check can fail
+    _saves_its_input(monkeypatch)
+    kept = run()
+    _, kept_bytes = saved_bytes(lambda: forward(xr))
+    assert all(torch.equal(a, b) for a, b in zip(recomputed, kept, strict=True))
+    if trainable_norm:
+        return  # torch's CPU RMSNorm then keeps its own [tokens, hidden] product for the weight gradient
+    activation = 4 * 128 * 32  # one fp32 [tokens, hidden] tensor
+    # saved beyond the base: h [tokens, r], the norm's [tokens] statistics and small constants, less
+    # than one hidden-size activation; keeping norm(x) adds one (so the check can fail)
+    assert recomputed_bytes - base_bytes < activation
+    assert kept_bytes - recomputed_bytes >= activation
+
+
+def test_outer_saved_tensor_hooks_keep_the_plain_saves(te, single_rank, monkeypatch):  # noqa: F811
+    """Under a non-reentrant checkpoint (its own saved-tensor hooks, like activation offloading) the
+    adapter recomputes nothing itself and leaves every saved tensor to the checkpoint: same gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = _norm_fused(te)
+    x = torch.randn(16, 2, 32)
+    grad = torch.randn(16, 2, 64)
+    plain = _run(layer, lambda x: layer(x)[0], x, grad)
+    calls = []
+    real = layers.linear_recomputing_input
+    monkeypatch.setattr(layers, "linear_recomputing_input", lambda *a: calls.append(1) or real(*a))
+    checkpointed = _run(layer, lambda x: checkpoint(lambda y: layer(y)[0], x, use_reentrant=False), x, grad)
+    assert not calls
+    assert all(torch.equal(a, b) for a, b in zip(checkpointed, plain, strict=True))
+    _run(layer, lambda x: layer(x)[0], x, grad)
+    assert calls  # without the checkpoint the recomputation is used: the check above can fail
 
 
 class _MLP(torch.nn.Module):
