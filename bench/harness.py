@@ -407,13 +407,20 @@ def _megatron_optimizer(s: Settings, model, config):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    ddp = DistributedDataParallel(
-        config=config,
-        ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
-        ),
-        module=model,
-    )
+    # As Megatron-LM's get_model: DDP keeps each parameter's grad-accumulator node, which remembers the
+    # stream it was made on; made on the default stream, it makes a CUDA-graph capture of the backward
+    # fail ("operation would make the legacy stream depend on a capturing blocking stream").
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ddp = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+            ),
+            module=model,
+        )
+    torch.cuda.current_stream().wait_stream(side)
     dtype = s.torch_dtype()
     opt = get_megatron_optimizer(
         OptimizerConfig(
