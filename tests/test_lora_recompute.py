@@ -237,3 +237,34 @@ def test_model_links_every_dense_fc2(tmp_path, single_rank):  # noqa: F811
     plain = grads()
     assert all(torch.equal(a, b) for a, b in zip(linked, plain, strict=True))
     assert all(g.abs().max() > 0 for g in linked)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("add_bias_linear", True),
+        ("gated_linear_unit", False),
+        ("activation_func", F.gelu),
+        ("activation_func_clamp_value", 7.0),
+        ("glu_linear_offset", 1.0),
+        ("use_te_activation_func", True),
+        ("activation_func_fp8_input_store", True),
+        ("cpu_offloading", True),
+        ("fine_grained_activation_offloading", True),
+    ],
+)
+def test_fc2_link_only_for_plain_swiglu(field, value):
+    """The fc1 -> fc2 link exists only where the MLP's activation is plain SwiGLU over a saved input;
+    megatron's fused SwiGLU kernel is the recomputation when bias_activation_fusion is on."""
+    from types import SimpleNamespace
+
+    from megatron.core.fusions.fused_bias_swiglu import swiglu
+
+    from twinkle_specs.lora.model import _activation_fn
+
+    plain = dict(
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False
+    )
+    assert _activation_fn(SimpleNamespace(**plain)) is swiglu_eager
+    assert _activation_fn(SimpleNamespace(**plain | {"bias_activation_fusion": True})) is swiglu
+    assert _activation_fn(SimpleNamespace(**plain | {field: value})) is None

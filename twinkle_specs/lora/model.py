@@ -95,19 +95,24 @@ def swiglu_eager(pre: torch.Tensor) -> torch.Tensor:
 
 
 def _activation_fn(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """How the MLP turns fc1's output into fc2's input, where that can be recomputed from the same
-    saved tensor (SwiGLU without bias, fp8 input store or CPU offload); None otherwise."""
-    if not (config.gated_linear_unit and config.activation_func is F.silu) or config.add_bias_linear:
-        return None
-    if config.activation_func_fp8_input_store or getattr(config, "cpu_offloading", False):
-        return None
-    if getattr(config, "fine_grained_activation_offloading", False):
-        return None
-    if getattr(config, "use_te_activation_func", False) or getattr(
-        config, "activation_func_clamp_value", None
-    ):
-        return None
-    if getattr(config, "glu_linear_offset", 0.0):
+    """How the MLP turns fc1's output into fc2's input, where that is plain SwiGLU and SwiGLU keeps its
+    input as is (no bias, clamp or offset, no TE activation op, no fp8 input store, no activation
+    offloading); None otherwise."""
+    plain_swiglu = (
+        config.gated_linear_unit and config.activation_func is F.silu and not config.add_bias_linear
+    )
+    unchanged = not any(
+        getattr(config, name, None)
+        for name in (
+            "activation_func_clamp_value",
+            "glu_linear_offset",
+            "use_te_activation_func",
+            "activation_func_fp8_input_store",
+            "cpu_offloading",
+            "fine_grained_activation_offloading",
+        )
+    )
+    if not (plain_swiglu and unchanged):
         return None
     if config.bias_activation_fusion:
         from megatron.core.fusions.fused_bias_swiglu import swiglu
