@@ -22,6 +22,11 @@ LORA_MEMORY_TARGET = 1.05  # (c) peak memory <= 1.05 x (e) frozen-base fwd+bwd p
 MFU_TARGET = 0.50  # dense full fine-tune, 8B shape, H100 bf16
 
 
+def _why(r: dict[str, Any], limit: int) -> str:
+    """A failed result's reason or error on one line (a table cell), cut to ``limit`` characters."""
+    return " ".join((r.get("reason") or r.get("error") or "").split())[:limit]
+
+
 def group_key(r: dict[str, Any]) -> tuple:
     return (r["shape"], r["seq_len"], r["micro_batch_size"], r.get("tag", ""))
 
@@ -135,8 +140,9 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in doc["results"]:
         head = f"| {r['shape']} | {r['seq_len']} | {r['micro_batch_size']} | {r['label']} "
         if r.get("status") != "ok":
-            why = " ".join((r.get("reason") or r.get("error", "")).split())
-            lines.append(head + f"| – | – | – | – | – | – | – | – | – | – | {r.get('status')}: {why[:160]} |")
+            lines.append(
+                head + f"| – | – | – | – | – | – | – | – | – | – | {r.get('status')}: {_why(r, 160)} |"
+            )
             continue
         t = r["step_time_s"]
         lines.append(
@@ -182,9 +188,8 @@ def markdown(doc: dict[str, Any]) -> str:
         ]
         for r in scaling:
             if r.get("status") != "ok":
-                why = (r.get("reason") or r.get("error") or "")[:120]
                 lines.append(
-                    f"| {r['shape']} | {r['layout']} | – | – | – | – | – | – | {r.get('status')}: {why} |"
+                    f"| {r['shape']} | {r['layout']} | – | – | – | – | – | – | {r.get('status')}: {_why(r, 120)} |"
                 )
                 continue
             lines.append(
