@@ -60,6 +60,7 @@ class Settings:
     cuda_graphs: str = "none"  # none | local | transformer_engine
     gpu_fusions: bool = True  # rope / swiglu fusions on the Megatron side (GPU)
     mcore_overrides: dict[str, Any] = field(default_factory=dict)
+    optimizer_overrides: dict[str, Any] = field(default_factory=dict)  # megatron OptimizerConfig fields
     load: bool = True  # time HF -> Megatron loading in twinkle_full (needs the safetensors checkpoint)
     profile: bool = False
     profile_steps: int = 2
@@ -433,6 +434,7 @@ def _megatron_optimizer(s: Settings, model, config):
             params_dtype=dtype,
             use_distributed_optimizer=True,
             clip_grad=1.0,
+            **s.optimizer_overrides,
         ),
         [ddp],
     )
@@ -443,7 +445,12 @@ def _megatron_optimizer(s: Settings, model, config):
         ddp.zero_grad_buffer()
         opt.zero_grad()
 
-    return ddp, finish, "megatron-core DistributedDataParallel + get_megatron_optimizer (distributed Adam)"
+    extra = "".join(f", {k}={v}" for k, v in s.optimizer_overrides.items())
+    return (
+        ddp,
+        finish,
+        f"megatron-core DistributedDataParallel + get_megatron_optimizer (distributed Adam{extra})",
+    )
 
 
 def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: str) -> dict[str, Any]:
@@ -501,6 +508,8 @@ def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: st
     if on_gpu() and s.cuda_graphs == "transformer_engine":
         from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
+        if not hasattr(wrapped, "zero_grad_buffer"):  # (e) has no DDP: nothing for the helper to clear
+            wrapped.zero_grad_buffer = lambda: None
         te_graphs = TECudaGraphHelper(
             model=[wrapped],
             config=config,
@@ -531,11 +540,15 @@ def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: st
     if te_graphs is not None:
         for _ in range(max(s.warmup, config.cuda_graph_warmup_steps)):
             step()
+        # No cuda_graph_set_manual_hooks(): as in Megatron-LM's train(), those are DDP's param-gather
+        # pre-hooks, which exist only with overlap_param_gather (DDP asserts so when one is called).
         te_graphs.create_cudagraphs()
-        te_graphs.cuda_graph_set_manual_hooks()
     result["step"] = "forward + backward" + (" + optimizer step" if variant != "twinkle_frozen" else "")
     result |= time_steps(step, s.warmup, s.steps)
-    result |= activation_memory(forward, backward_and_update)
+    if s.cuda_graphs == "none":
+        result |= activation_memory(forward, backward_and_update)
+    else:
+        result["activation_memory_note"] = "not measured: CUDA graphs keep activations in their static pool"
     if s.profile:
         result["profile"] = profile_steps(step, s.profile_steps, out_dir, tag, s.profile_trace)
     return result
@@ -633,7 +646,10 @@ def run_hf(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: str) -> 
 
     result["step"] = "forward + backward + optimizer step"
     result |= time_steps(step, s.warmup, s.steps)
-    result |= activation_memory(forward, backward_and_update)
+    if s.cuda_graphs == "none":
+        result |= activation_memory(forward, backward_and_update)
+    else:
+        result["activation_memory_note"] = "not measured: CUDA graphs keep activations in their static pool"
     if s.profile:
         result["profile"] = profile_steps(step, s.profile_steps, out_dir, tag, s.profile_trace)
     return result

@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cuda-graphs",
         choices=["none", "local", "transformer_engine"],
         default="none",
-        help="megatron-core cuda_graph_impl (per-layer graphs; experimental here)",
+        help="megatron-core cuda_graph_impl: per-layer CUDA graphs (megatron's local manager or TE's)",
     )
     ap.add_argument("--no-gpu-fusions", action="store_true", help="megatron: no rope/swiglu fusions")
     ap.add_argument(
@@ -98,6 +98,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         metavar="FIELD=VALUE",
         help="extra megatron TransformerConfig field (JSON value), e.g. --set moe_permute_fusion=true",
+    )
+    ap.add_argument(
+        "--opt-set",
+        dest="opt_overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="extra megatron OptimizerConfig field (JSON value), e.g. --opt-set use_precision_aware_optimizer=true",
     )
     ap.add_argument("--no-load", action="store_true", help="skip writing/loading the HF checkpoint")
     ap.add_argument(
@@ -260,6 +268,7 @@ def _settings(args, on_gpu: bool):
         cuda_graphs=args.cuda_graphs,
         gpu_fusions=not args.no_gpu_fusions,
         mcore_overrides={k: _literal(v) for k, _, v in (o.partition("=") for o in args.overrides)},
+        optimizer_overrides={k: _literal(v) for k, _, v in (o.partition("=") for o in args.opt_overrides)},
         load=not args.no_load,
         profile=args.profile,
         profile_trace=args.profile_trace,

@@ -34,6 +34,7 @@ class Evidence:
         self.values[name] = values
         out = os.environ.get("TWINKLE_EVIDENCE_DIR")
         if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
             Path(out, self.filename).write_text(json.dumps(self.values, indent=2))
 
 

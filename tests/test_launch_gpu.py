@@ -99,6 +99,7 @@ def run_logged(cmd: list[str], name: str, env: dict[str, str]) -> tuple[dict[int
     log = proc.stdout + proc.stderr
     evidence = os.environ.get("TWINKLE_EVIDENCE_DIR")
     if evidence:
+        Path(evidence).mkdir(parents=True, exist_ok=True)
         Path(evidence, f"launch-{name}.log").write_text(" ".join(cmd) + "\n\n" + log[-12000:])
     assert proc.returncode == 0, log[-5000:]
     losses = {
@@ -226,6 +227,42 @@ def test_lora_qwen3_save_resume_and_peft_export(e2e):
     assert abs(resumed[6] - peft_loss) <= LOSS_RTOL * peft_loss, (resumed[6], peft_loss)
     saved = list((ck / "iter_0000005").glob("*"))
     assert saved, "no checkpoint written"
+
+
+@pytest.fixture(scope="module")
+def lora_eager_qwen3(e2e) -> dict[int, float]:
+    """Per-iteration losses of an eager LoRA run, the reference of the CUDA-graph runs."""
+    losses, _, _ = pretrain(e2e["qwen3"], e2e["root"] / "lora-eager", *GRAPH_RUN, iters=8, dump=False)
+    return losses
+
+
+GRAPH_RUN = ("--mock-data", "--lora-rank", "8", "--lora-alpha", "16")
+GRAPH_SIGN = {"local": r"Creating \d+ CUDA graphs", "transformer_engine": "Start CUDA Graphs capture"}
+
+
+@pytest.mark.parametrize("impl", list(GRAPH_SIGN))
+def test_lora_cuda_graphs_match_eager(e2e, lora_eager_qwen3, impl):
+    """LoRA under pretrain_gpt.py's CUDA graphs (both of megatron's implementations; the benchmark's
+    fast path) trains as the eager run does: the norm-recompute hooks and the fc1->fc2 link are
+    captured and replayed, and every iteration's loss matches (TE graphs: iterations 1-3 run eager,
+    then the layers are captured and replayed; local: recorded in the first iteration, captured after
+    its backward)."""
+    eager = lora_eager_qwen3
+    graphs, _, log = pretrain(
+        e2e["qwen3"],
+        e2e["root"] / f"lora-graphs-{impl}",
+        *GRAPH_RUN,
+        "--cuda-graph-impl",
+        impl,
+        iters=8,
+        dump=False,
+    )
+    assert re.search(GRAPH_SIGN[impl], log), f"no CUDA-graph capture logged ({GRAPH_SIGN[impl]!r})"
+    assert sorted(graphs) == sorted(eager) == list(range(1, 9)), (sorted(graphs), sorted(eager))
+    diffs = {i: abs(graphs[i] - eager[i]) / eager[i] for i in eager}
+    EVIDENCE.record(f"lora-qwen3-cuda-graphs-{impl}", graphs=graphs, eager=eager, max_rel=max(diffs.values()))
+    assert max(diffs.values()) <= 2e-3, diffs
+    assert graphs[8] < graphs[1], graphs
 
 
 @two_gpus()

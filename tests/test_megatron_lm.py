@@ -83,6 +83,7 @@ def test_stock_pretrain_gpt_trains_with_the_spec(kind, checkpoints, tmp_path):
     log = proc.stdout + proc.stderr
     out = os.environ.get("TWINKLE_EVIDENCE_DIR")
     if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, f"pretrain_gpt-{kind}.log").write_text(" ".join(cmd) + "\n\n" + log[-20000:])
     assert proc.returncode == 0, log[-4000:]
     assert "iteration        5/       5" in log
