@@ -2,12 +2,15 @@
 
 At micro-batch 1 the LoRA step on an H100 is bound by the host (bench/results/2026-11-22-h100: GPU busy
 99.5 ms of a 239 ms step), so what an adapter design costs there is mostly Python and dispatch time.
-With tensors this small the CPU time is that overhead. Three ways to compute ``out + s * B(A(norm(x)))``
+With tensors this small the CPU time is that overhead. Four ways to compute ``out + s * B(A(norm(x)))``
 with the gradients of x and of every factor:
 
 * ``keeps norm(x)``: plain autograd ops; the A GEMM saves ``norm(x)`` (the adapter before 9499d08);
-* ``recompute hooks``: what the layers do now: the A GEMM keeps ``x`` and recomputes ``norm(x)`` in
-  backward through saved-tensor hooks (``twinkle_specs.lora.recompute``), B GEMM and sum as one addmm;
+* ``recompute hooks``: the A GEMM keeps ``x`` and recomputes ``norm(x)`` in backward through
+  saved-tensor hooks (``twinkle_specs.lora.recompute``), B GEMM and sum as one addmm (515d0f2);
+* ``hooks + in-place B``: what the layers do now: the same A side, the B GEMM accumulating into the
+  base output in place (``twinkle_specs.lora.layers._AddLowRank``, a custom function: it saves the
+  GPU a full-size copy per linear and costs this much host time);
 * ``autograd.Function``: the same memory behaviour as one custom function per GEMM side with the norm
   recomputed by a nested backward (the design of 9499d08, replaced because of this cost).
 
@@ -29,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from twinkle_specs.lora.layers import _AddLowRank  # noqa: E402
 from twinkle_specs.lora.recompute import linear_recomputing_input  # noqa: E402
 
 T, IN, OUT, RANKS, SCALE = 8, 64, 256, (16, 16, 16), 2.0
@@ -87,6 +91,11 @@ def main(argv: list[str] | None = None) -> None:
         h = linear_recomputing_input(n, torch.cat(a_slots), x, norm) * SCALE
         return torch.addmm(out.reshape(-1, OUT), h.reshape(-1, h.shape[-1]), b.t()).view(out.shape)
 
+    def in_place_b(x, out):
+        n = norm(x)
+        h = linear_recomputing_input(n, torch.cat(a_slots), x, norm) * SCALE
+        return _AddLowRank.apply(out.view_as(out), h, b)  # a view, as TE's output (values drift: timing only)
+
     def function(x, out):
         return _Up.apply(out, _Down.apply(x, norm, torch.cat(a_slots)), b)
 
@@ -103,11 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     variants = {
         "keeps norm(x)": keeps_input,
         "recompute hooks": recompute_hooks,
+        "hooks + in-place B": in_place_b,
         "autograd.Function": function,
     }
     for _ in range(2):  # interleaved twice: the spread is the noise
         for name, fn in variants.items():
-            print(f"{name:18s} {time_us(fn):7.1f} us per forward + backward")
+            print(f"{name:19s} {time_us(fn):7.1f} us per forward + backward")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,10 @@ RATIOS = (
     ("c_over_a_peak_memory", "twinkle_lora", "mcore_te_full", "peak_memory_gib", None),
     ("d_over_f_tokens_per_s", "hf_peft_lora", "hf_full", "tokens_per_s_per_gpu", None),
 )
-LORA_MEMORY_TARGET = 1.05  # (c) peak memory <= 1.05 x (e) frozen-base fwd+bwd peak
+# (c) memory <= 1.05 x (e) frozen base: what one forward keeps for backward (the issue's "activations")
+# where measured, else (CUDA graphs keep activations in their own pool) the peak, which also holds the
+# adapters' weights, gradients and optimizer state.
+LORA_MEMORY_TARGET = 1.05
 MFU_TARGET = 0.50  # dense full fine-tune, 8B shape, H100 bf16
 
 
@@ -65,14 +68,17 @@ def targets(results: list[dict[str, Any]], ratio_table: dict[str, dict]) -> list
                         "met": row[name] >= target,
                     }
                 )
-        value = row.get("c_over_e_peak_memory")
-        if value is not None:
+        memory = next(
+            (m for m in ("c_over_e_activation_memory", "c_over_e_peak_memory") if row.get(m) is not None),
+            None,
+        )
+        if memory is not None:
             checks.append(
                 {
                     "group": group,
-                    "target": f"c_over_e_peak_memory <= {LORA_MEMORY_TARGET}",
-                    "value": value,
-                    "met": value <= LORA_MEMORY_TARGET,
+                    "target": f"{memory} <= {LORA_MEMORY_TARGET}",
+                    "value": row[memory],
+                    "met": row[memory] <= LORA_MEMORY_TARGET,
                 }
             )
     for r in results:

@@ -1,6 +1,6 @@
 """What the adapter saves for backward, on CPU: the A GEMM's input is recomputed (twinkle_specs.lora
-.recompute) from what the frozen base keeps, and the layers' forward (``out + h @ B^T`` as one addmm)
-equals the per-slot reference.
+.recompute) from what the frozen base keeps, the layers' forward (``out += h @ B^T`` in place) equals
+the per-slot reference, and the in-place sum is safe on a TE-like base output.
 
 Memory is measured as the bytes of the distinct storages that autograd saves (saved-tensor hooks), so
 a tensor the base layer saves anyway costs nothing twice. The stand-ins of test_lora_te_standin.py
@@ -52,7 +52,8 @@ def saved_bytes(fn) -> tuple[torch.Tensor, int]:
 
 @pytest.mark.parametrize("site,slots", list(CASES.values()), ids=list(CASES))
 def test_layer_forward_equals_per_slot_reference(site, slots, single_rank):  # noqa: F811
-    """The layer's forward (A GEMM, then B GEMM and sum as one addmm) vs base + per-slot delta: output
+    """The layer's forward (A GEMM, then the B GEMM accumulating into the base output) vs base + per-slot
+    delta: output
     and the gradients of the input and of every factor."""
     layer = _portable(site, slots)
     g = torch.Generator().manual_seed(2)
@@ -62,6 +63,54 @@ def test_layer_forward_equals_per_slot_reference(site, slots, single_rank):  # n
     want = _run(layer, lambda x: F.linear(x, layer.weight) + layer.lora_delta_per_slot(x), x, grad)
     assert _rel(got, want) <= REL_TOL
     assert all(t.abs().max() > 0 for t in got[1:])
+
+
+class _ViewOutput(torch.autograd.Function):
+    """A linear that returns a view made inside its forward, as Transformer Engine's do."""
+
+    @staticmethod
+    def forward(ctx, x, w, save_output):
+        out = F.linear(x, w)
+        ctx.save_for_backward(w, out if save_output else None)
+        return out.view(out.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w, out = ctx.saved_tensors
+        if out is not None:  # a base that needs its output in backward
+            grad = grad + 0 * out
+        return grad @ w, None, None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_sum_on_a_te_like_output(dtype):
+    """``_AddLowRank`` on a view made inside an autograd function (TE's output): autograd refuses
+    ``addmm_`` there, the function gives addmm's output and every gradient bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 8, 16, generator=g, dtype=dtype), torch.randn(24, 16, generator=g, dtype=dtype)
+    h, b = torch.randn(2, 8, 4, generator=g, dtype=dtype), torch.randn(24, 4, generator=g, dtype=dtype)
+    grad = torch.randn(2, 8, 24, generator=g, dtype=dtype)
+
+    def run(add):
+        xs, hs, bs = (t.clone().requires_grad_(True) for t in (x, h, b))
+        y = add(_ViewOutput.apply(xs, w, False), hs, bs)
+        y.backward(grad)
+        return [y.detach(), xs.grad, hs.grad, bs.grad]
+
+    with pytest.raises(RuntimeError, match="view"):
+        run(lambda out, h, b: out.view(-1, 24).addmm_(h.view(-1, 4), b.t()))
+    want = run(lambda out, h, b: torch.addmm(out.view(-1, 24), h.view(-1, 4), b.t()).view(out.shape))
+    got = run(layers._AddLowRank.apply)
+    assert all(torch.equal(a, e) for a, e in zip(got, want, strict=True))
+
+
+def test_in_place_sum_fails_loudly_on_a_saved_output():
+    """A base that saved its output would see it changed: autograd raises, no gradient is wrong."""
+    x = torch.randn(4, 16, requires_grad=True)
+    w, h, b = torch.randn(24, 16), torch.randn(4, 4, requires_grad=True), torch.randn(24, 4)
+    y = layers._AddLowRank.apply(_ViewOutput.apply(x, w, True), h, b)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 def _norm_fused(te, slots=None):  # noqa: F811
@@ -220,8 +269,9 @@ def test_model_links_every_dense_fc2(tmp_path, single_rank):  # noqa: F811
             p.normal_(0, 0.05)
     links = [m.lora_activation_input for n, m in model.named_modules() if n.endswith("mlp.linear_fc2")]
     assert links and all(isinstance(k, PreActivation) for k in links)
-    toks = tokens()
-    pos = torch.arange(toks.shape[1]).expand_as(toks)
+    device = next(model.parameters()).device  # build_model puts the model on the GPU where there is one
+    toks = tokens().to(device)
+    pos = torch.arange(toks.shape[1], device=device).expand_as(toks)
 
     def grads():
         for p in adapter_parameters(model):
