@@ -170,3 +170,35 @@ def test_lora_run_freezes_base_saves_adapters_only_and_exports_peft(checkpoints,
     with torch.no_grad():
         ref = peft_model(run["tokens"][:, :-1]).logits
     assert (run["logits"][..., : CONFIGS["qwen3"]().vocab_size] - ref).abs().max().item() <= 1e-4
+
+
+def test_fractional_rope_theta_reaches_the_model_exactly(tmp_path):
+    """Megatron-LM parses --rotary-base as an int (so does the stand-in): the launcher gives GPTModel
+    the checkpoint's own rope_theta, and its RoPE frequencies are transformers' (not int(theta)'s)."""
+    from models import make_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    theta = 12345.5
+    hf = make_checkpoint(
+        "qwen3", tmp_path / "hf", rope_parameters={"rope_type": "default", "rope_theta": theta}
+    )
+    proc = launch(
+        "--hf-model",
+        str(hf),
+        *COMMON,
+        "--train-iters",
+        "1",
+        "--lr",
+        "0",
+        "--save",
+        str(tmp_path / "ck"),
+        "--save-interval",
+        "1",
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ours = torch.load(tmp_path / "ck" / "run.pt")["inv_freq"].double()
+    ref = AutoModelForCausalLM.from_pretrained(hf).model.rotary_emb.inv_freq.double()
+    dim = 2 * ref.numel()
+    truncated = 1.0 / int(theta) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    assert (ours - ref).abs().max() <= 1e-7 * ref.abs().max()
+    assert (truncated - ref).abs().max() > 1e-6 * ref.abs().max()  # the check can tell the two apart

@@ -114,7 +114,8 @@ def _settings(arch: QwenArch) -> list[Setting]:
 
 
 def _rope_setting(arch: QwenArch) -> Setting:
-    # Megatron-LM parses --rotary-base as an int.
+    # Megatron-LM parses --rotary-base as an int; the launcher hands GPTModel a fractional rope_theta
+    # itself (launch._exact_rotary_base), build_model uses the config's value.
     flags = [
         "--position-embedding-type",
         arch.position_embedding_type,

@@ -43,7 +43,11 @@ FIELD_POLICY: dict[str, tuple[str, str]] = {
         "mapped",
         "--max-position-embeddings (YaRN: also the factor when rope_parameters.factor is null)",
     ),
-    "rope_theta": ("mapped", "--rotary-base (rope_parameters.rope_theta wins, as in transformers)"),
+    "rope_theta": (
+        "mapped",
+        "--rotary-base (rope_parameters.rope_theta wins, as in transformers; Megatron-LM's flag is an int, "
+        "the launcher gives GPTModel a fractional value exactly)",
+    ),
     "rope_parameters": (
         "mapped",
         "rope_type default -> --position-embedding-type rope; yarn -> --position-embedding-type yarn "

@@ -228,6 +228,7 @@ def _wrap_gpt_init(original):
         if _RUN.lora is not None:
             config.lora = _RUN.lora
         bound.arguments["vocab_size"] = _checkpoint_vocab(bound.arguments.get("vocab_size"))
+        _exact_rotary_base(bound.arguments)
         _set_megatron_padded_vocab(bound.arguments["vocab_size"])
         original(*bound.args, **bound.kwargs)
         from .loading import load_hf_weights
@@ -242,6 +243,15 @@ def _wrap_gpt_init(original):
         _RUN.models.append(self)
 
     return init
+
+
+def _exact_rotary_base(arguments: dict) -> None:
+    """GPTModel gets the checkpoint's ``rope_theta`` itself: Megatron-LM parses ``--rotary-base`` as an
+    int, so a fractional one arrives truncated (the flag carries ``int(rope_theta)``, see
+    ``config_mapping._rope_setting``) and would rotate every position by slightly wrong angles."""
+    exact = qwen_arch_from_hf(_RUN.hf_dir).rotary_base
+    if arguments.get("rotary_base") == int(exact) != exact:
+        arguments["rotary_base"] = exact
 
 
 def _set_megatron_padded_vocab(rows: int) -> None:

@@ -26,10 +26,10 @@ def add_megatron_arguments(parser):
         "--micro-batch-size",
         "--train-iters",
         "--save-interval",
+        "--rotary-base",  # an int in Megatron-LM too
     ]
     floats = [
         "--norm-epsilon",
-        "--rotary-base",
         "--attention-dropout",
         "--hidden-dropout",
         "--init-method-std",

@@ -40,4 +40,8 @@ def pretrain(
     out = Path(args.save)
     out.mkdir(parents=True, exist_ok=True)
     (out / "losses.json").write_text(json.dumps(losses))
-    torch.save({"tokens": tokens, "logits": logits, "trainable": len(trainable)}, out / "run.pt")
+    inv_freq = model.rotary_pos_emb.inv_freq
+    torch.save(
+        {"tokens": tokens, "logits": logits, "trainable": len(trainable), "inv_freq": inv_freq},
+        out / "run.pt",
+    )
