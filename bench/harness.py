@@ -646,10 +646,7 @@ def run_hf(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: str) -> 
 
     result["step"] = "forward + backward + optimizer step"
     result |= time_steps(step, s.warmup, s.steps)
-    if s.cuda_graphs == "none":
-        result |= activation_memory(forward, backward_and_update)
-    else:
-        result["activation_memory_note"] = "not measured: CUDA graphs keep activations in their static pool"
+    result |= activation_memory(forward, backward_and_update)
     if s.profile:
         result["profile"] = profile_steps(step, s.profile_steps, out_dir, tag, s.profile_trace)
     return result

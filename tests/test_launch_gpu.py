@@ -229,15 +229,15 @@ def test_lora_qwen3_save_resume_and_peft_export(e2e):
     assert saved, "no checkpoint written"
 
 
+GRAPH_RUN = ("--mock-data", "--lora-rank", "8", "--lora-alpha", "16")
+GRAPH_SIGN = {"local": r"Creating \d+ CUDA graphs", "transformer_engine": "Start CUDA Graphs capture"}
+
+
 @pytest.fixture(scope="module")
 def lora_eager_qwen3(e2e) -> dict[int, float]:
     """Per-iteration losses of an eager LoRA run, the reference of the CUDA-graph runs."""
     losses, _, _ = pretrain(e2e["qwen3"], e2e["root"] / "lora-eager", *GRAPH_RUN, iters=8, dump=False)
     return losses
-
-
-GRAPH_RUN = ("--mock-data", "--lora-rank", "8", "--lora-alpha", "16")
-GRAPH_SIGN = {"local": r"Creating \d+ CUDA graphs", "transformer_engine": "Start CUDA Graphs capture"}
 
 
 @pytest.mark.parametrize("impl", list(GRAPH_SIGN))

@@ -53,8 +53,7 @@ def saved_bytes(fn) -> tuple[torch.Tensor, int]:
 @pytest.mark.parametrize("site,slots", list(CASES.values()), ids=list(CASES))
 def test_layer_forward_equals_per_slot_reference(site, slots, single_rank):  # noqa: F811
     """The layer's forward (A GEMM, then the B GEMM accumulating into the base output) vs base + per-slot
-    delta: output
-    and the gradients of the input and of every factor."""
+    delta: output and the gradients of the input and of every factor."""
     layer = _portable(site, slots)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(6, 2, SIZES[site][0], generator=g)
