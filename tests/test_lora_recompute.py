@@ -190,22 +190,18 @@ class _MLP(torch.nn.Module):
     def __init__(self, te, scale_after: float = 1.0):  # noqa: F811
         super().__init__()
         self.config = _config(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False)
-        self.linear_fc1 = te.LoraTEColumnParallelLinear(
-            32,
-            96,
-            config=self.config,
-            lora_site="linear_fc1",
-            lora_slots={"up_proj": S(4, 8, False)},
-            lora_dropout=0.0,
-        )
-        self.linear_fc2 = te.LoraTERowParallelLinear(
-            48,
-            32,
-            config=self.config,
-            lora_site="linear_fc2",
-            lora_slots={"down_proj": S(4, 8, False)},
-            lora_dropout=0.0,
-        )
+
+        def adapted(cls, sizes, site, slot):
+            return cls(
+                *sizes,
+                config=self.config,
+                lora_site=site,
+                lora_slots={slot: S(4, 8, False)},
+                lora_dropout=0.0,
+            )
+
+        self.linear_fc1 = adapted(te.LoraTEColumnParallelLinear, (32, 96), "linear_fc1", "up_proj")
+        self.linear_fc2 = adapted(te.LoraTERowParallelLinear, (48, 32), "linear_fc2", "down_proj")
         self.scale_after = scale_after  # != 1: the MLP's activation is not plain SwiGLU
         for lin in (self.linear_fc1, self.linear_fc2):
             _randomize(lin)
