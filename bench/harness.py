@@ -411,13 +411,16 @@ def _megatron_optimizer(s: Settings, model, config):
     # As Megatron-LM's get_model: DDP keeps each parameter's grad-accumulator node, which remembers the
     # stream it was made on; made on the default stream, it makes a CUDA-graph capture of the backward
     # fail ("operation would make the legacy stream depend on a capturing blocking stream").
+    # --opt-set use_distributed_optimizer=false selects megatron's Float16Optimizer (DDP must agree).
+    fields = {"use_distributed_optimizer": True, "clip_grad": 1.0} | s.optimizer_overrides
+    distributed = bool(fields["use_distributed_optimizer"])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         ddp = DistributedDataParallel(
             config=config,
             ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed
             ),
             module=model,
         )
@@ -432,9 +435,7 @@ def _megatron_optimizer(s: Settings, model, config):
             adam_beta2=0.95,
             bf16=dtype == torch.bfloat16,
             params_dtype=dtype,
-            use_distributed_optimizer=True,
-            clip_grad=1.0,
-            **s.optimizer_overrides,
+            **fields,
         ),
         [ddp],
     )
@@ -445,11 +446,14 @@ def _megatron_optimizer(s: Settings, model, config):
         ddp.zero_grad_buffer()
         opt.zero_grad()
 
-    extra = "".join(f", {k}={v}" for k, v in s.optimizer_overrides.items())
+    extra = "".join(
+        f", {k}={v}" for k, v in s.optimizer_overrides.items() if k != "use_distributed_optimizer"
+    )
+    kind = "distributed Adam" if distributed else "Float16Optimizer Adam"
     return (
         ddp,
         finish,
-        f"megatron-core DistributedDataParallel + get_megatron_optimizer (distributed Adam{extra})",
+        f"megatron-core DistributedDataParallel + get_megatron_optimizer ({kind}{extra})",
     )
 
 

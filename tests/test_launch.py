@@ -27,7 +27,7 @@ COMMON = [
 ]
 
 
-def launch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(*args: str, timeout: int = 300, **env_vars: str) -> subprocess.CompletedProcess:
     cmd = [
         *torchrun(1),
         "-m",
@@ -40,6 +40,7 @@ def launch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
         PYTHONPATH=f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         OMP_NUM_THREADS="1",
         CUDA_VISIBLE_DEVICES="",
+        **env_vars,
     )
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -154,9 +155,15 @@ def test_lora_run_freezes_base_saves_adapters_only_and_exports_peft(checkpoints,
         "all-linear",
         "--hf-export",
         str(tmp_path / "adapter"),
+        TWINKLE_DUMP_TRAINED=str(tmp_path / "trained"),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     run = torch.load(tmp_path / "ck" / "run.pt")
+    # the replica dump (compared across data-parallel ranks on the GPU machine): the trained adapters only
+    trained = torch.load(tmp_path / "trained" / "rank0.pt")
+    assert trained["coords"] == {"tp": 0, "pp": 0, "dp": 0, "ep": 0, "etp": 0, "edp": 0}, trained["coords"]
+    assert trained["params"] and all(".lora_" in k for k in trained["params"]), list(trained["params"])[:5]
+    assert any(t.abs().max() > 0 for k, t in trained["params"].items() if ".lora_B." in k)
     losses = json.loads((tmp_path / "ck" / "losses.json").read_text())
     assert abs(losses[0] - hf_loss(hf, run["tokens"])) <= 1e-4  # B = 0 at start: exactly the base model
     assert losses[-1] < losses[0]

@@ -300,6 +300,35 @@ def _maybe_dump_batches(model) -> None:
     model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def _maybe_dump_trained(models) -> None:
+    """With $TWINKLE_DUMP_TRAINED set to a directory, each rank saves its local shards of the trainable
+    parameters after training (``rank<R>.pt``, with the rank's parallel coordinates and which of them
+    are expert parameters), so that data-parallel replicas can be compared: they must be identical."""
+    from megatron.core import parallel_state as ps
+
+    out = os.environ.get("TWINKLE_DUMP_TRAINED")
+    if not out:
+        return
+    params, expert = {}, []
+    for i, model in enumerate(models):
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                params[f"{i}.{name}"] = p.detach().cpu()
+                if not getattr(p, "allreduce", True):  # megatron's mark of expert-parallel parameters
+                    expert.append(f"{i}.{name}")
+    coords = {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(),
+        "etp": ps.get_expert_tensor_parallel_rank(),
+        "edp": ps.get_expert_data_parallel_rank(),
+    }
+    Path(out).mkdir(parents=True, exist_ok=True)
+    rank = torch.distributed.get_rank()
+    torch.save({"coords": coords, "params": params, "expert": expert}, Path(out) / f"rank{rank}.pt")
+
+
 def export(models, out_dir: str | Path, *, merged: bool = False) -> None:
     """Writes this run's model to ``out_dir``: a PEFT adapter for LoRA runs (merged HF weights with
     ``merged``), full HF weights otherwise. Called on every rank."""
@@ -328,6 +357,8 @@ def _wrap_pretrain(original):
         result = original(*args, **kwargs)
         from megatron.training import get_args
 
+        if _RUN is not None:
+            _maybe_dump_trained(_RUN.models)
         margs = get_args()
         if margs.hf_export and _RUN is not None and _RUN.models:
             export(_RUN.models, margs.hf_export, merged=margs.hf_export_merged)
