@@ -230,6 +230,7 @@ def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool) -> dict[st
     sort_key = "self_device_time_total" if on_gpu() else "self_cpu_time_total"
     table = averages.table(sort_by=sort_key, row_limit=40)
     by_cat: dict[str, float] = {}
+    kernels: list[tuple[float, int, str]] = []  # every kernel (self device time per step), for diffs
     device_total = 0.0
     for ev in averages:
         t = getattr(ev, "self_device_time_total", None)
@@ -242,6 +243,7 @@ def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool) -> dict[st
         if ev.key in RANGES or ev.key.startswith("Optimizer."):
             continue  # annotations (ours, torch.optim's) span kernels that are counted themselves
         device_total += t
+        kernels.append((t / 1e3 / n, ev.count, ev.key))
         cat = categorize(ev.key)
         by_cat[cat] = by_cat.get(cat, 0.0) + t
     per_step_ms = {k: v / 1e3 / n for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
@@ -268,6 +270,10 @@ def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool) -> dict[st
             table,
             "host (CPU) time, by operator and range (forward/backward/optimizer):\n" + cpu_table,
             f"host Python functions, cProfile over {n} more steps (by own time):\n{host}",
+            f"every device kernel over {n} steps (ms per step, calls in all, name):\n"
+            + "\n".join(
+                f"{ms:9.3f} {calls:6d}  {name[:110]}" for ms, calls, name in sorted(kernels, reverse=True)
+            ),
         ]
     )
     (out_dir / f"profile-{tag}.txt").write_text(text + "\n")
