@@ -144,7 +144,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["results"]:
-        head = f"| {r['shape']} | {r['seq_len']} | {r['micro_batch_size']} | {r['label']} "
+        tag = f" [{r['tag']}]" if r.get("tag") else ""  # groups of one shape told apart
+        head = f"| {r['shape']} | {r['seq_len']} | {r['micro_batch_size']} | {r['label']}{tag} "
         if r.get("status") != "ok":
             lines.append(
                 head + f"| – | – | – | – | – | – | – | – | – | – | {r.get('status')}: {_why(r, 160)} |"

@@ -185,11 +185,8 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-def git_commit(out: Path) -> str | None:
-    """This tree's commit. The device machine's copy has no .git, so fall back to
-    $TWINKLE_BENCH_COMMIT, then the COMMIT file bench/stage.sh writes into .gpu/bench-whl (carried
-    in the first benchmark call), then <out>/COMMIT (saved by an earlier call with the same --out)."""
-    commit = None
+def _git_head() -> str | None:
+    """HEAD of this checkout, marked "(modified)" when the measured code differs from it."""
     try:
         head = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
@@ -199,12 +196,19 @@ def git_commit(out: Path) -> str | None:
             capture_output=True,
             text=True,
         ).stdout.strip()
-        commit = head + (" (modified)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("TWINKLE_BENCH_COMMIT")
-        for f in (ROOT / ".gpu" / "bench-whl" / "COMMIT", out / "COMMIT"):
-            if not commit and f.is_file():
-                commit = f.read_text().strip()
+        return None
+    return head + (" (modified)" if dirty else "")
+
+
+def git_commit(out: Path) -> str | None:
+    """This tree's commit: $TWINKLE_BENCH_COMMIT when set (the device machine's copy of the tree may
+    carry a stale .git), else git, else the COMMIT file bench/stage.sh writes into .gpu/bench-whl
+    (carried in the first benchmark call), then <out>/COMMIT (saved by an earlier call, same --out)."""
+    commit = os.environ.get("TWINKLE_BENCH_COMMIT") or _git_head()
+    for f in (ROOT / ".gpu" / "bench-whl" / "COMMIT", out / "COMMIT"):
+        if not commit and f.is_file():
+            commit = f.read_text().strip()
     if commit:
         out.mkdir(parents=True, exist_ok=True)
         (out / "COMMIT").write_text(commit + "\n")

@@ -13,6 +13,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from models import make_checkpoint  # noqa: E402
 
+cpu_reference = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="CPU reference test: build_model's model against transformers on CPU tensors; on a GPU machine "
+    "build_model returns a CUDA (Transformer Engine) model, which the gpu-marked modules test",
+)
+
 
 def _built_once(root: Path, make: Callable[[str, Path], Path]) -> Callable[[str], Path]:
     """``kind -> checkpoint dir``, each made by ``make`` under ``root`` on first use."""

@@ -19,9 +19,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import report  # noqa: E402
+from bench import kernel_diff, report  # noqa: E402
 from bench.flops import peak_flops, step_flops  # noqa: E402
-from bench.run import EXPORT_FILES, main  # noqa: E402
+from bench.run import EXPORT_FILES, git_commit, main  # noqa: E402
 from twinkle_specs.hf_config import QwenArch  # noqa: E402
 from twinkle_specs.lora import LoraConfig  # noqa: E402
 
@@ -288,6 +288,24 @@ def test_cpu_merge_and_report_only(cpu_run, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU proof; the GPU test covers the device")
+def test_kernel_diff_of_the_profiled_variants(cpu_run):
+    """profile.txt lists every kernel per variant; kernel_diff's table accounts for all of it: its
+    differences add up to the difference of the two variants' device totals."""
+    out, _, _ = cpu_run
+    tables = kernel_diff.kernel_tables((out / "profile.txt").read_text())
+    lora, frozen = kernel_diff.pick(tables, "twinkle_lora"), kernel_diff.pick(tables, "twinkle_frozen")
+    assert lora.startswith("tiny-qwen3__twinkle_lora") and tables[lora] and tables[frozen]
+    rows = kernel_diff.diff(tables[lora], tables[frozen])
+    total = sum(ms for ms, _ in tables[lora].values()) - sum(ms for ms, _ in tables[frozen].values())
+    assert sum(r[0] for r in rows) == pytest.approx(total, abs=1e-9)
+    assert [abs(r[0]) for r in rows] == sorted((abs(r[0]) for r in rows), reverse=True)
+    # the adapters' GEMMs: more matmul calls per step than the frozen model makes
+    mm = next(r for r in rows if r[5] == "aten::mm")
+    assert mm[2] > mm[4], mm
+    with pytest.raises(SystemExit, match="no section"):
+        kernel_diff.pick(tables, "no_such_variant")
+
+
 def test_cpu_child_process_moe(tmp_path):
     """The default mode (one child process per variant, as on the GPU) on the tiny MoE shape."""
     cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--preset", "tiny", "--shapes", "tiny-qwen3-moe"]
@@ -308,6 +326,19 @@ def _env() -> dict:
     import os
 
     return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def test_commit_given_by_the_environment_wins_over_git(tmp_path, monkeypatch):
+    """The device machine's copy of the tree can carry a stale .git: the commit named in
+    $TWINKLE_BENCH_COMMIT is what the results record (and keep in <out>/COMMIT)."""
+    monkeypatch.delenv("TWINKLE_BENCH_COMMIT", raising=False)
+    from_git = git_commit(tmp_path / "a")
+    assert from_git and from_git.split()[0] == subprocess.check_output(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], text=True
+    ).strip()
+    monkeypatch.setenv("TWINKLE_BENCH_COMMIT", "0123abc")
+    assert git_commit(tmp_path / "b") == "0123abc"
+    assert (tmp_path / "b" / "COMMIT").read_text().strip() == "0123abc"
 
 
 def test_report_ratios_and_targets():

@@ -7,11 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cpu_reference
 from models import CONFIGS, batch, hf_logits, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 import twinkle_specs as ts
 from twinkle_specs.checkpoint import CheckpointError
+
+pytestmark = cpu_reference
+
 
 SAFE = "model.safetensors"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import peft
 import pytest
 import torch
+from conftest import cpu_reference
 from test_lora_support import (
     hf_model,
     megatron_logits,
@@ -17,6 +18,9 @@ from test_lora_support import (
 
 import twinkle_specs as ts
 from twinkle_specs import LoraConfig, export_peft_adapter, load_peft_adapter
+
+pytestmark = cpu_reference
+
 
 TOL = 1e-4  # max |Δ| of fp32 logits; measured on torch 2.13 CPU: 0.0 dense, <= 2.6e-6 MoE
 BOTH_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

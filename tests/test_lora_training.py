@@ -7,6 +7,7 @@ import peft
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cpu_reference
 from test_lora_support import (
     VOCAB,
     hf_model,
@@ -22,6 +23,9 @@ from twinkle_specs import LoraConfig, export_peft_adapter, merge_lora, unmerge_l
 from twinkle_specs.export import save_hf_weights
 from twinkle_specs.lora import adapter_parameters
 from twinkle_specs.parallel import is_adapter_param
+
+pytestmark = cpu_reference
+
 
 TOL = 1e-4  # fp32 logits, max |Δ|
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

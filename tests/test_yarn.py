@@ -14,11 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import cpu_reference, free_port
 from models import CONFIGS, YARN_SEQ, batch, hf_logits, qwen_config
 
 import twinkle_specs as ts
 from twinkle_specs.hf_config import UnsupportedConfigError, qwen_arch_from_hf
+
+pytestmark = cpu_reference
+
 
 TOL = 1e-4
 MEGATRON_LM_019 = os.environ.get("MEGATRON_LM_019_ROOT", "/tmp/mlm19")
