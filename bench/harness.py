@@ -271,9 +271,7 @@ def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool) -> dict[st
             "host (CPU) time, by operator and range (forward/backward/optimizer):\n" + cpu_table,
             f"host Python functions, cProfile over {n} more steps (by own time):\n{host}",
             f"every device kernel over {n} steps (ms per step, calls in all, name):\n"
-            + "\n".join(
-                f"{ms:9.3f} {calls:6d}  {name[:110]}" for ms, calls, name in sorted(kernels, reverse=True)
-            ),
+            + "\n".join(f"{ms:9.3f} {calls:6d}  {name}" for ms, calls, name in sorted(kernels, reverse=True)),
         ]
     )
     (out_dir / f"profile-{tag}.txt").write_text(text + "\n")

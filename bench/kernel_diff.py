@@ -31,7 +31,8 @@ def kernel_tables(text: str) -> dict[str, dict[str, tuple[float, float]]]:
             m = KERNEL_LINE.fullmatch(line)
             if not m:
                 break
-            table[m[3]] = (float(m[1]), int(m[2]) / steps)
+            ms, calls = table.get(m[3], (0.0, 0.0))  # names cut short can coincide: add them up
+            table[m[3]] = (ms + float(m[1]), calls + int(m[2]) / steps)
         tables[name.strip()] = table
     return tables
 

@@ -304,6 +304,10 @@ def test_kernel_diff_of_the_profiled_variants(cpu_run):
     assert mm[2] > mm[4], mm
     with pytest.raises(SystemExit, match="no section"):
         kernel_diff.pick(tables, "no_such_variant")
+    # kernels whose (cut) names coincide are added up, not overwritten
+    cut = "== s__v__t\nevery device kernel over 2 steps (ms per step, calls in all, name):\n"
+    cut += "    0.500      4  kern<long\n    0.250      2  kern<long\n"
+    assert kernel_diff.kernel_tables(cut) == {"s__v__t": {"kern<long": (0.75, 3.0)}}
 
 
 def test_cpu_child_process_moe(tmp_path):
