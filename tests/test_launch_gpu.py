@@ -370,7 +370,7 @@ def single_gpu(e2e):
     return losses
 
 
-def check_layout(e2e, single_gpu, name: str, kind: str, flags: tuple, layout: tuple, dp: int) -> None:
+def train_and_check_layout(e2e, single_gpu, name: str, kind: str, flags: tuple, layout: tuple, dp: int) -> None:
     hf, out = e2e[kind], e2e["root"] / name
     losses, dump, _ = pretrain(
         hf,
@@ -429,7 +429,7 @@ def check_layout(e2e, single_gpu, name: str, kind: str, flags: tuple, layout: tu
 def test_lora_qwen3_four_gpus(e2e, single_gpu, layout, dp):
     """Qwen3 LoRA, distributed optimizer: DP2 x TP2 and TP2 x PP2 (the issue's DP2 x TP2 x PP2 on 8)."""
     name = "lora-qwen3-" + ("dp2-tp2-sp" if dp == 2 else "tp2-pp2-sp")
-    check_layout(e2e, single_gpu, name, "qwen3", LORA, layout, dp)
+    train_and_check_layout(e2e, single_gpu, name, "qwen3", LORA, layout, dp)
 
 
 @four_gpus()
@@ -443,7 +443,7 @@ def test_qwen3_moe_ep2_tp2_four_gpus(e2e, single_gpu, lora):
         layout += ("--expert-tensor-parallel-size", "1")
     flags = (*MOE, *LORA) if lora else MOE
     name = "qwen3-moe-ep2-tp2-" + ("lora" if lora else "full")
-    check_layout(e2e, single_gpu, name, "qwen3_moe", flags, layout, dp=2)
+    train_and_check_layout(e2e, single_gpu, name, "qwen3_moe", flags, layout, dp=2)
 
 
 # -- the cluster scripts (issue 5) on two GPUs ----------------------------------------------------------
