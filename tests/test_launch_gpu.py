@@ -370,7 +370,9 @@ def single_gpu(e2e):
     return losses
 
 
-def train_and_check_layout(e2e, single_gpu, name: str, kind: str, flags: tuple, layout: tuple, dp: int) -> None:
+def train_and_check_layout(
+    e2e, single_gpu, name: str, kind: str, flags: tuple, layout: tuple, dp: int
+) -> None:
     hf, out = e2e[kind], e2e["root"] / name
     losses, dump, _ = pretrain(
         hf,
