@@ -412,12 +412,12 @@ def _megatron_optimizer(s: Settings, model, config):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    # As Megatron-LM's get_model: DDP keeps each parameter's grad-accumulator node, which remembers the
-    # stream it was made on; made on the default stream, it makes a CUDA-graph capture of the backward
-    # fail ("operation would make the legacy stream depend on a capturing blocking stream").
     # --opt-set use_distributed_optimizer=false selects megatron's Float16Optimizer (DDP must agree).
     fields = {"use_distributed_optimizer": True, "clip_grad": 1.0} | s.optimizer_overrides
     distributed = bool(fields["use_distributed_optimizer"])
+    # As Megatron-LM's get_model: DDP keeps each parameter's grad-accumulator node, which remembers the
+    # stream it was made on; made on the default stream, it makes a CUDA-graph capture of the backward
+    # fail ("operation would make the legacy stream depend on a capturing blocking stream").
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -337,9 +337,11 @@ def test_commit_given_by_the_environment_wins_over_git(tmp_path, monkeypatch):
     $TWINKLE_BENCH_COMMIT is what the results record (and keep in <out>/COMMIT)."""
     monkeypatch.delenv("TWINKLE_BENCH_COMMIT", raising=False)
     from_git = git_commit(tmp_path / "a")
-    assert from_git and from_git.split()[0] == subprocess.check_output(
-        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], text=True
-    ).strip()
+    assert (
+        from_git
+        and from_git.split()[0]
+        == subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "HEAD"], text=True).strip()
+    )
     monkeypatch.setenv("TWINKLE_BENCH_COMMIT", "0123abc")
     assert git_commit(tmp_path / "b") == "0123abc"
     assert (tmp_path / "b" / "COMMIT").read_text().strip() == "0123abc"

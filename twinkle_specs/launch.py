@@ -141,6 +141,11 @@ class Run:
     lora: object | None = None
     models: list = field(default_factory=list)
 
+    @functools.cached_property
+    def arch(self):
+        """The checkpoint's architecture, read once (every GPTModel built by this run asks for it)."""
+        return qwen_arch_from_hf(self.hf_dir)
+
 
 _RUN: Run | None = None
 
@@ -193,7 +198,7 @@ def _checkpoint_vocab(megatron_padded: int | None) -> int:
 
     from .model import padded_vocab_size
 
-    arch = qwen_arch_from_hf(_RUN.hf_dir)
+    arch = _RUN.arch
     rows = padded_vocab_size(arch.vocab_size, ps.get_tensor_model_parallel_world_size())
     tokens = _tokenizer_vocab(megatron_padded)
     if tokens is not None and tokens > rows:
@@ -249,7 +254,7 @@ def _exact_rotary_base(arguments: dict) -> None:
     """GPTModel gets the checkpoint's ``rope_theta`` itself: Megatron-LM parses ``--rotary-base`` as an
     int, so a fractional one arrives truncated (the flag carries ``int(rope_theta)``, see
     ``config_mapping._rope_setting``) and would rotate every position by slightly wrong angles."""
-    exact = qwen_arch_from_hf(_RUN.hf_dir).rotary_base
+    exact = _RUN.arch.rotary_base
     if arguments.get("rotary_base") == int(exact) != exact:
         arguments["rotary_base"] = exact
 
