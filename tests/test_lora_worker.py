@@ -62,10 +62,15 @@ def _finalize_grads(model) -> None:
 def _assemble_sharded(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
     """Global tensors rebuilt from every rank's main-replica shards of the adapter sharded_state_dict,
     with a count of how often each element was written (exactly once when no shard is lost)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
     from twinkle_specs.lora.checkpoint import adapter_sharded_state_dict
 
     mine = []
-    for sh in adapter_sharded_state_dict(model).values():
+    sharded = adapter_sharded_state_dict(model)
+    apply_factories(sharded)
+    for sh in nested_values(sharded):
         if all(r == 0 for r in (sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,))):
             mine.append(
                 (sh.key, sh.global_shape, sh.global_offset, sh.prepend_axis_num, sh.data.detach().clone())
@@ -108,11 +113,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from megatron.core import parallel_state as ps
-    from test_lora_support import VOCAB, randomize_megatron, tokens
 
     import twinkle_specs as ts
     from twinkle_specs.lora import LoraConfig
-    from twinkle_specs.lora.peft_io import gather_peft_tensors
 
     dist.init_process_group("gloo")
     vpp = args.vpp if args.vpp > 1 else None
@@ -126,14 +129,30 @@ def main() -> None:
     else:
         model = ts.build_model(args.hf, lora=lora, sequence_parallel=args.sp, parallel_output=True)
     ts.load_peft_adapter(model, args.adapter)
-    if args.roundtrip:
-        ts.export_peft_adapter(model, out / "export")
-        return
-    if args.sharded:
-        assembled = _assemble_sharded(model)
-        if assembled is not None:
-            torch.save(assembled, out / "sharded.pt")
-        return
+    try:
+        if args.roundtrip:
+            ts.export_peft_adapter(model, out / "export")
+        elif args.sharded:
+            assembled = _assemble_sharded(model)
+            if assembled is not None:
+                torch.save(assembled, out / "sharded.pt")
+        else:
+            _check_against_peft(model, out)
+        # every rank leaves together: a gloo group torn down at interpreter exit while a peer is
+        # still talking aborts ("terminate called without an active exception")
+        dist.barrier()
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _check_against_peft(model, out: Path) -> None:
+    from megatron.core import parallel_state as ps
+    from test_lora_support import VOCAB, randomize_megatron, tokens
+
+    import twinkle_specs as ts
+    from twinkle_specs.lora.peft_io import gather_peft_tensors
+
     # eval(): no MoE aux-loss gradient (the reference loss has none); gradients still flow.
     model.eval()
     toks = tokens()
@@ -155,9 +174,6 @@ def main() -> None:
             if last:
                 torch.save(full[..., :VOCAB], out / "logits_out.pt")
     ts.export_peft_adapter(model, out / "export")
-    dist.barrier()
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
