@@ -77,14 +77,17 @@ def _portable(site: str, slots: dict, dropout: float = 0.0, config=None):
 
 
 def _randomize(layer, seed: int = 5) -> None:
+    """Random factors; what a smaller rank's B leaves unused stays zero, as in training."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in (*layer.lora_A.values(), *layer.lora_B.values()):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        for slot in layer.lora_slots:
+            for which in "AB":
+                f = layer.lora_factor(which, slot)
+                f.copy_(torch.randn(f.shape, generator=g) * 0.3)
 
 
 def _factors(layer) -> list[torch.Tensor]:
-    return [*layer.lora_A.values(), *layer.lora_B.values()]
+    return [layer.lora_A, layer.lora_B]
 
 
 def _run(layer, fn, x: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
@@ -115,6 +118,10 @@ def test_fused_equals_per_slot_reference(site, slots, single_rank):  # noqa: F81
     assert _rel(fused, ref) <= REL_TOL
     assert fused[0].abs().max() > 0.1  # a real delta, and every factor got a real gradient
     assert all(t.abs().max() > 0 for t in fused[1:])
+    b_grad = fused[-1]
+    for slot in slots:  # ... and B columns a smaller rank leaves unused get none: they stay zero
+        rows = layer.lora_factor_index("B", slot)[1]
+        assert torch.equal(b_grad[rows, slots[slot].r :], torch.zeros_like(b_grad[rows, slots[slot].r :]))
     # The layer's own forward adds the fused delta to the base output.
     out, _ = layer(x)
     base = F.linear(x, layer.weight)
@@ -128,10 +135,12 @@ def test_fused_b_layout(single_rank):  # noqa: F811
     layer = _portable("linear_qkv", slots)
     b = layer.lora_B_fused()
     assert b.shape == (128, 5)
-    q, v = layer.lora_B["q_proj"], layer.lora_B["v_proj"]
+    assert layer.lora_B.shape == (96, 3)  # [q rows; v rows], as wide as the largest rank
+    q, v = layer.lora_factor("B", "q_proj"), layer.lora_factor("B", "v_proj")
+    assert torch.equal(v, layer.lora_B[64:, :2])
     groups = b.view(4, 32, 5)  # per query group: 16 q rows, 8 k rows, 8 v rows
-    assert torch.equal(groups[:, :16, :3], q.view(4, 16, 3))
-    assert torch.equal(groups[:, 24:, 3:], v.view(4, 8, 2))
+    assert torch.equal(groups[:, :16, :3], q.reshape(4, 16, 3))
+    assert torch.equal(groups[:, 24:, 3:], v.reshape(4, 8, 2))
     mask = torch.ones(4, 32, 5, dtype=torch.bool)
     mask[:, :16, :3] = False
     mask[:, 24:, 3:] = False
@@ -198,7 +207,7 @@ def test_grouped_experts_grouped_mm_equals_loop(te, site, single_rank, monkeypat
     """torch's grouped GEMM (forced here: on CPU it runs torch's own fallback kernel) equals the
     per-expert loop, zero-token experts included (zero gradients for them)."""
     layer = _experts(te, site)
-    assert not layers.grouped_mm_fits(torch.randn(9, 32), layer.lora_A[layer.lora_slots[0]], layer.lora_B[layer.lora_slots[0]], SPLITS)  # fmt: skip
+    assert not layers.grouped_mm_fits(torch.randn(9, 32), layer.lora_A, layer.lora_B, SPLITS)
     x = torch.randn(sum(SPLITS), 32)
     grad = torch.randn(sum(SPLITS), 24)
 
@@ -211,11 +220,11 @@ def test_grouped_experts_grouped_mm_equals_loop(te, site, single_rank, monkeypat
     grouped = _run(layer, forward, x, grad)
     assert _rel(grouped, loop) <= REL_TOL
     (slot,) = layer.lora_slots
-    for p in (layer.lora_A[slot], layer.lora_B[slot]):
+    for p in (layer.lora_A, layer.lora_B):
         assert torch.equal(p.grad[[1, 3, 5]], torch.zeros_like(p.grad[[1, 3, 5]]))
         assert all(p.grad[e].abs().max() > 0 for e in (0, 2, 4))
     # The loop is the former per-expert math: scaling * B_e(A_e(x_e)).
-    a, b, s = layer.lora_A[slot], layer.lora_B[slot], layer.lora_spec[slot].scaling
+    a, b, s = layer.lora_A, layer.lora_B, layer.lora_spec[slot].scaling
     blocks = torch.split(x, SPLITS)
     want = torch.cat([F.linear(F.linear(xe, a[e]), b[e]) * s for e, xe in enumerate(blocks)])
     assert torch.equal(layers.expert_delta_loop(x, a, b, SPLITS, s), want)

@@ -15,6 +15,8 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import apply_factories
 from test_lora_support import single_rank  # noqa: F401  (fixture)
 
 from twinkle_specs.lora.config import SlotSpec
@@ -103,8 +105,10 @@ def _config(**kw):
 def _randomize(layer) -> None:
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        for p in (*layer.lora_A.values(), *layer.lora_B.values()):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        for slot in layer.lora_slots:
+            for which in "AB":
+                f = layer.lora_factor(which, slot)
+                f.copy_(torch.randn(f.shape, generator=g) * 0.2)
 
 
 @pytest.mark.parametrize("zero_centered", [False, True])
@@ -120,9 +124,9 @@ def test_norm_fused_qkv_partial_targets(te, single_rank, zero_centered):  # noqa
     assert bias is None
     # Expected: per-projection deltas in HF layout, interleaved by weight_map's QKV layout.
     hf = {
-        "q": slots["q_proj"].scaling * layer.lora_B["q_proj"] @ layer.lora_A["q_proj"],
+        "q": slots["q_proj"].scaling * layer.lora_factor("B", "q_proj") @ layer.lora_factor("A", "q_proj"),
         "k": torch.zeros(16, 32),
-        "v": slots["v_proj"].scaling * layer.lora_B["v_proj"] @ layer.lora_A["v_proj"],
+        "v": slots["v_proj"].scaling * layer.lora_factor("B", "v_proj") @ layer.lora_factor("A", "v_proj"),
     }
     delta = QKV(groups=2, heads_per_group=2, head_dim=8).load(
         lambda name, rows, cols: hf[name][rows[0] : rows[1]], ("q", "k", "v"), 0, 1
@@ -154,8 +158,8 @@ def test_row_and_column_linears_and_merge(te, single_rank):  # noqa: F811
     for layer in (row, col):
         _randomize(layer)
     x = torch.randn(3, 2, 32)
-    expected_row = F.linear(x, row.weight + 4.0 * row.lora_B["o_proj"] @ row.lora_A["o_proj"])
-    up = 2.0 * col.lora_B["up_proj"] @ col.lora_A["up_proj"]
+    expected_row = F.linear(x, row.weight + 4.0 * row.lora_B @ row.lora_A)
+    up = 2.0 * col.lora_B @ col.lora_A
     expected_col = F.linear(x, col.weight + torch.cat([torch.zeros_like(up), up]))  # [gate; up]
     assert (row(x)[0] - expected_row).abs().max().item() <= TOL
     assert (col(x)[0] - expected_col).abs().max().item() <= TOL
@@ -178,12 +182,8 @@ def test_grouped_experts_per_expert_adapters(te, single_rank):  # noqa: F811
         lora_slots={"gate_up_proj": SlotSpec(2, 4, False)},
         lora_dropout=0.0,
     )
-    assert layer.lora_A["gate_up_proj"].shape == (3, 2, 32) and layer.lora_B["gate_up_proj"].shape == (
-        3,
-        24,
-        2,
-    )
-    assert layer.lora_A["gate_up_proj"].allreduce is False  # expert-parallel, like the base weights
+    assert layer.lora_A.shape == (3, 2, 32) and layer.lora_B.shape == (3, 24, 2)
+    assert layer.lora_A.allreduce is False  # expert-parallel, like the base weights
     _randomize(layer)
     splits = [2, 0, 3]
     x = torch.randn(sum(splits), 32)
@@ -192,8 +192,7 @@ def test_grouped_experts_per_expert_adapters(te, single_rank):  # noqa: F811
         [
             F.linear(
                 p,
-                getattr(layer, f"weight{e}")
-                + 2.0 * layer.lora_B["gate_up_proj"][e] @ layer.lora_A["gate_up_proj"][e],
+                getattr(layer, f"weight{e}") + 2.0 * layer.lora_B[e] @ layer.lora_A[e],
             )
             for e, p in enumerate(parts)
         ]
@@ -204,8 +203,15 @@ def test_grouped_experts_per_expert_adapters(te, single_rank):  # noqa: F811
     assert (layer(x, splits)[0] - expected).abs().max().item() <= TOL
     layer.unmerge()
     assert all(torch.equal(getattr(layer, f"weight{e}"), b) for e, b in enumerate(bases))
-    # Adapter checkpoint entries: one tensor per factor over the global (layer, expert) axes.
+    # Adapter checkpoint entries: one factory per parameter, one tensor per factor over the global
+    # (layer, expert) axes.
     sd = layer.sharded_state_dict("experts.linear_fc1.", ((0, 1, 2),), {"dp_cp_group": None})
-    a = sd["experts.linear_fc1.lora_A.gate_up_proj"]
+    assert sorted(sd) == ["experts.linear_fc1.lora_A", "experts.linear_fc1.lora_B"]
+    apply_factories(sd)
+    tensors = {t.key: t for t in nested_values(sd)}
+    a = tensors["experts.linear_fc1.lora_A.gate_up_proj"]
     assert a.global_shape == (2, 3, 2, 32) and a.global_offset == (1, 0, 0, 0)
-    assert sorted(sd) == ["experts.linear_fc1.lora_A.gate_up_proj", "experts.linear_fc1.lora_B.gate_up_proj"]
+    assert sorted(tensors) == [
+        "experts.linear_fc1.lora_A.gate_up_proj",
+        "experts.linear_fc1.lora_B.gate_up_proj",
+    ]

@@ -62,7 +62,7 @@ def test_only_adapters_train(hf, single_rank):  # noqa: F811
     model = ts.build_model(hf, lora=LoraConfig(r=4, target_modules="all-linear"))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     adapters = {n for n, _ in model.named_parameters() if is_adapter_param(n)}
-    assert trainable == adapters and len(adapters) == 2 * 2 * 7  # 2 layers x 7 projections x (A, B)
+    assert trainable == adapters and len(adapters) == 2 * 4 * 2  # 2 layers x 4 linears x (A, B)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     for must in ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"):
         assert must in frozen

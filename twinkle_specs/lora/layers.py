@@ -3,9 +3,15 @@
 Like PEFT's ``tuners/lora/layer.py``, a LoRA layer is its base layer plus ``lora_A``/``lora_B`` factors
 and knows how to merge and unmerge them. Here the wrapper *is* the base class (a subclass), so the base
 weight keeps its Megatron name (``...linear_qkv.weight``) for HF loading, checkpoints and export, and
-the factors sit beside it (``...linear_qkv.lora_A.q_proj``). Each factor is one PEFT adapter ("slot"):
-a fused linear (QKV, gate/up) holds one slot per adapted projection, so ``q_proj,v_proj`` targeting
-matches PEFT exactly.
+the factors sit beside it. Each factor is one PEFT adapter ("slot"): a fused linear (QKV, gate/up)
+holds one slot per adapted projection, so ``q_proj,v_proj`` targeting matches PEFT exactly.
+
+One parameter per factor kind and linear, ``lora_A`` (the slots' A stacked on the rank axis) and
+``lora_B`` (their B stacked on the output axis), not one per slot: megatron's optimizer, DDP hooks and
+gradient clipping loop over parameters in Python, and at micro-batch 1 that host time leaves the GPU
+idle after every step's grad-norm sync (Qwen3-1.7B: 392 adapter tensors became 224).
+:meth:`LoraLayerMixin.lora_factor` is a slot's factor (a view); checkpoints keep one tensor per slot
+(``...linear_qkv.lora_A.q_proj``), see :meth:`LoraLayerMixin.sharded_state_dict`.
 
 Tensor parallelism (Megatron's column/row convention):
 
@@ -21,9 +27,7 @@ does for layer norms. Routed-expert factors carry ``allreduce = False`` (expert-
 base weights) and need expert-tensor-parallel size 1.
 
 Forward cost (the adapter must stay cheap next to a host-launch-bound base layer): all slots of one
-linear share one A GEMM (the slots' A factors concatenated per forward: a copy of a few rank-r rows,
-differentiable, so the ``lora_A.<slot>`` parameters, their names and checkpoints stay as they are),
-one ``scaling`` multiply of the rank-sum activation (never of the full-size output), one TP
+linear share one A GEMM (``lora_A`` as it is), one ``scaling`` multiply of the rank-sum activation (never of the full-size output), one TP
 communication of it, and one B GEMM with a block-structured B assembled in the fused output layout
 (QKV interleaved per query group, [gate; up], zero blocks for untargeted projections) by a single
 gather. :meth:`LoraLayerMixin.lora_delta_per_slot` keeps the per-slot computation as the reference.
@@ -109,38 +113,54 @@ class LoraLayerMixin:
             self.lora_tp_group = ps.get_tensor_model_parallel_group()
         self.lora_sequence_parallel = bool(config.sequence_parallel) and self.lora_tp_size > 1
         self.lora_out_sizes = _slot_out_sizes(site, output_size, config)
-        device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
-        self.lora_A = torch.nn.ParameterDict()
-        self.lora_B = torch.nn.ParameterDict()
+        self.lora_A = self.lora_B = None
+        if not slots:
+            return
+        column = self.lora_parallel == "column"
         tp, rank = self.lora_tp_size, (0 if is_expert else ps.get_tensor_model_parallel_rank())
         stack = (num_gemms,) if num_gemms else ()
-        for slot, spec in slots.items():
-            # Full A drawn from the default CPU generator, which megatron seeds alike on every TP rank,
-            # so replicated factors agree across ranks; row-parallel ranks keep their column block.
-            a = torch.empty(*stack, spec.r, input_size)
-            torch.nn.init.uniform_(a, -1 / math.sqrt(input_size), 1 / math.sqrt(input_size))
-            b = torch.zeros(
-                *stack, self.lora_out_sizes[slot] // (tp if self.lora_parallel == "column" else 1), spec.r
+        ranks = {slot: spec.r for slot, spec in slots.items()}
+        rows = {slot: self.lora_out_sizes[slot] // (tp if column else 1) for slot in slots}
+        starts_a, starts_b = _offsets(ranks), _offsets(rows)
+        self.lora_rows = {
+            slot: (
+                slice(starts_a[slot], starts_a[slot] + ranks[slot]),
+                slice(starts_b[slot], starts_b[slot] + n),
             )
-            if self.lora_parallel == "row":
-                a = a.chunk(tp, dim=-1)[rank]
-            self.lora_A[slot] = torch.nn.Parameter(
-                a.to(device=device, dtype=config.params_dtype).contiguous()
-            )
-            self.lora_B[slot] = torch.nn.Parameter(b.to(device=device, dtype=config.params_dtype))
-            sharded, whole = (
-                (self.lora_B[slot], self.lora_A[slot])
-                if self.lora_parallel == "column"
-                else (self.lora_A[slot], self.lora_B[slot])
-            )
-            dim = (0 if self.lora_parallel == "column" else 1) + len(stack)
-            set_tensor_model_parallel_attributes(sharded, tp > 1, dim, 1)
-            set_tensor_model_parallel_attributes(whole, False, 0, 1)
-            if self.lora_sequence_parallel:
-                whole.sequence_parallel = True
-            if is_expert:
-                for p in (sharded, whole):
-                    p.allreduce = False
+            for slot, n in rows.items()
+        }
+        # Full A drawn from the default CPU generator, which megatron seeds alike on every TP rank, so
+        # replicated factors agree across ranks; row-parallel ranks keep their column block.
+        a = torch.empty(*stack, sum(ranks.values()), input_size)
+        torch.nn.init.uniform_(a, -1 / math.sqrt(input_size), 1 / math.sqrt(input_size))
+        if not column:
+            a = a.chunk(tp, dim=-1)[rank]
+        b = torch.zeros(*stack, sum(rows.values()), max(ranks.values()))
+        device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
+        self.lora_A = torch.nn.Parameter(a.to(device=device, dtype=config.params_dtype).contiguous())
+        self.lora_B = torch.nn.Parameter(b.to(device=device, dtype=config.params_dtype))
+        sharded, whole = (self.lora_B, self.lora_A) if column else (self.lora_A, self.lora_B)
+        set_tensor_model_parallel_attributes(sharded, tp > 1, (0 if column else 1) + len(stack), 1)
+        set_tensor_model_parallel_attributes(whole, False, 0, 1)
+        if self.lora_sequence_parallel:
+            whole.sequence_parallel = True
+        if is_expert:
+            for p in (sharded, whole):
+                p.allreduce = False
+
+    def lora_factor_index(self, which: str, slot: str) -> tuple:
+        """Where ``slot``'s factor sits in this site's parameter ``lora_A``/``lora_B`` (after any
+        expert axis): its rank rows of A; its output rows of B and, under a ``rank_pattern``, the
+        first ``r`` of B's columns (a smaller slot's further columns are zeros that no GEMM reads)."""
+        a_rows, b_rows = self.lora_rows[slot]
+        if which == "A":
+            return (..., a_rows, slice(None))
+        return (..., b_rows, slice(0, self.lora_spec[slot].r))
+
+    def lora_factor(self, which: str, slot: str) -> torch.Tensor:
+        """``slot``'s factor, PEFT's ``lora_A``/``lora_B`` of that projection: a view of the site's
+        parameter (all local experts stacked on dim 0 for grouped experts)."""
+        return getattr(self, f"lora_{which}")[self.lora_factor_index(which, slot)]
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -165,21 +185,24 @@ class LoraLayerMixin:
         inp = x if norm is None else norm(x)
         dropout = _dropout_active(self.lora_dropout)
         if len(self.lora_slots) > 1 and dropout:
-            h = torch.cat([F.linear(self.lora_dropout(inp), self.lora_A[s]) for s in self.lora_slots], dim=-1)
+            h = torch.cat(
+                [F.linear(self.lora_dropout(inp), self.lora_factor("A", s)) for s in self.lora_slots], dim=-1
+            )
         elif dropout or not torch.is_grad_enabled() or not recompute_allowed():
-            h = F.linear(self.lora_dropout(inp), self.lora_A_fused())
+            h = F.linear(self.lora_dropout(inp), self.lora_A)
         elif norm is not None:
-            h = linear_recomputing_input(inp, self.lora_A_fused(), x, norm)
+            h = linear_recomputing_input(inp, self.lora_A, x, norm)
         elif activation is not None:
-            h = linear_recomputing_input(inp, self.lora_A_fused(), *activation)
+            h = linear_recomputing_input(inp, self.lora_A, *activation)
         else:
-            h = F.linear(inp, self.lora_A_fused())
+            h = F.linear(inp, self.lora_A)
         return self._lora_comm(self._lora_scale(h))
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """scaling * B(A(dropout(x))) for every slot, laid out like the base output shard.
 
-        Fused over the slots: ``h = x @ [A_1; A_2; ...]^T`` (one GEMM), ``h * scaling`` (rank-r
+        Fused over the slots: ``h = x @ [A_1; A_2; ...]^T`` (one GEMM: ``lora_A`` holds the slots' A
+        factors stacked on the rank axis), ``h * scaling`` (rank-r
         columns), one TP communication of ``h``, then ``h @ B^T`` with the block-structured B of
         :meth:`lora_B_fused` (one GEMM). Each output row depends on its own slot's rank-r block only
         (the other blocks of its B row are exact zeros), so this is the per-slot computation of
@@ -189,27 +212,19 @@ class LoraLayerMixin:
         """
         return F.linear(self.lora_hidden(x), self.lora_B_fused())
 
-    def lora_A_fused(self) -> torch.Tensor:
-        """The slots' A factors stacked on the rank axis, [sum(r), in] (the parameter itself for one slot)."""
-        if len(self.lora_slots) == 1:
-            return self.lora_A[self.lora_slots[0]]
-        return torch.cat([self.lora_A[s] for s in self.lora_slots])
-
     def lora_B_fused(self) -> torch.Tensor:
         """B of all slots in the base output layout, [output rows of this rank, sum(r)], column block
         of each slot in :attr:`lora_slots` order, zeros elsewhere (untargeted projections are zero rows).
 
-        One gather of a cached permutation over [every B, flattened; a block of zeros] builds it (its
+        One gather of a cached index over [``lora_B`` flattened; a block of zeros] builds it (its
         backward is the inverse gather): two small kernels forward and one backward, whatever the slots.
         """
-        slots = SITE_SLOTS[self.lora_site]
-        if len(slots) == 1:
-            return self.lora_B[slots[0]]
-        b = self.lora_B[self.lora_slots[0]]
+        if len(SITE_SLOTS[self.lora_site]) == 1:
+            return self.lora_B
+        b = self.lora_B
         layout = _fused_b_layout(self._lora_b_key(), b.device)
-        zeros = _zeros(layout.zeros, b.dtype, b.device)
-        flat = torch.cat([*(self.lora_B[s].reshape(-1) for s in self.lora_slots), zeros])
-        return _Gather.apply(flat, layout.index, layout.inverse).view(layout.rows, layout.cols)
+        flat = torch.cat([b.reshape(-1), _zeros(layout.zeros, b.dtype, b.device)])
+        return _Gather.apply(flat, layout.index, layout.inverse, layout.unread).view(layout.rows, layout.cols)
 
     def _lora_b_key(self) -> tuple:
         """What the fused-B layout depends on (hashable; shared by every layer of the same shape)."""
@@ -235,9 +250,9 @@ class LoraLayerMixin:
         x = self.lora_input(x)
         deltas = {}
         for slot in self.lora_slots:
-            h = F.linear(self.lora_dropout(x), self.lora_A[slot])
+            h = F.linear(self.lora_dropout(x), self.lora_factor("A", slot))
             h = self._lora_comm(h)
-            deltas[slot] = F.linear(h, self.lora_B[slot]) * self.lora_spec[slot].scaling
+            deltas[slot] = F.linear(h, self.lora_factor("B", slot)) * self.lora_spec[slot].scaling
         return self._lora_fuse(deltas)
 
     def _lora_comm(self, h: torch.Tensor) -> torch.Tensor:
@@ -286,7 +301,9 @@ class LoraLayerMixin:
         """scaling * B @ A in fp32, shaped like this rank's base weight (of expert ``gemm``)."""
         pick = (lambda t: t[gemm]) if gemm is not None else (lambda t: t)
         deltas = {
-            s: pick(self.lora_B[s]).float() @ pick(self.lora_A[s]).float() * self.lora_spec[s].scaling
+            s: pick(self.lora_factor("B", s)).float()
+            @ pick(self.lora_factor("A", s)).float()
+            * self.lora_spec[s].scaling
             for s in self.lora_slots
         }
         return self._lora_fuse({s: d.t() for s, d in deltas.items()}).t()
@@ -320,28 +337,58 @@ class LoraLayerMixin:
     # -- checkpointing ---------------------------------------------------------------------------
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        """The base's sharded state plus the factors with their own TP axes (B rows / A columns).
+        """The base's sharded state plus the factors, one ShardedTensor per slot with its own TP axis
+        (B rows / A columns), under the per-slot keys ``lora_A.<slot>``/``lora_B.<slot>``.
 
         The base implementations treat unknown keys as replicated, which would keep only one TP rank's
-        shard of B (column) or A (row); this is why the factors are described here explicitly.
+        shard of B (column) or A (row); this is why the factors are described here explicitly. Each
+        site parameter is a ``ShardedTensorFactory`` (the slots' blocks are cut out on save, put back
+        on load), so megatron's optimizer finds the parameter itself and describes its states the same way.
         """
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        for key in [k for k in out if k[len(prefix) :].startswith(("lora_A.", "lora_B."))]:
-            del out[key]
-        factors = {f"lora_{n}.{s}": getattr(self, f"lora_{n}")[s] for n in "AB" for s in self.lora_slots}
+        if not self.lora_slots:
+            return out
+        dp_cp_group = (metadata or {}).get("dp_cp_group")
+        for which in "AB":
+            param = getattr(self, f"lora_{which}")
+            out[f"{prefix}lora_{which}"] = ShardedTensorFactory(
+                f"{prefix}lora_{which}",
+                param,
+                functools.partial(self._lora_build_sharded, which, sharded_offsets, dp_cp_group),
+                functools.partial(self._lora_merge_sharded, which, param.shape),
+            )
+        return out
+
+    def _lora_build_sharded(
+        self, which: str, sharded_offsets: tuple, dp_cp_group, key: str, data, _replica_id, flattened_range
+    ) -> dict:
+        """The slots' blocks of ``data`` (the factor or an optimizer state of it) as ShardedTensors."""
+        if flattened_range is not None:
+            raise NotImplementedError(
+                f"{key}: LoRA factors in a flattened (legacy fully-sharded) optimizer checkpoint; save "
+                "with --ckpt-format torch_dist and the default distributed-optimizer sharding"
+            )
+        views = {
+            f"{key}.{slot}": data[self.lora_factor_index(which, slot)].contiguous()
+            for slot in self.lora_slots
+        }
         if self.lora_num_gemms:
-            return out | _grouped_sharded(factors, prefix, sharded_offsets, self.lora_num_gemms)
-        sharded = "lora_B." if self.lora_parallel == "column" else "lora_A."
-        axes = {k: 0 if self.lora_parallel == "column" else 1 for k in factors if k.startswith(sharded)}
-        metadata = metadata or {}
-        out |= make_sharded_tensors_for_checkpoint(
-            factors,
-            prefix,
-            axes,
-            sharded_offsets,
-            tp_group=self.lora_tp_group,
-            dp_cp_group=metadata.get("dp_cp_group"),
+            return _grouped_sharded(views, sharded_offsets)
+        column = self.lora_parallel == "column"
+        axes = {k: 0 if column else 1 for k in views} if (which == "B") == column else {}
+        return make_sharded_tensors_for_checkpoint(
+            views, "", axes, sharded_offsets, tp_group=self.lora_tp_group, dp_cp_group=dp_cp_group
         )
+
+    def _lora_merge_sharded(self, which: str, shape: torch.Size, loaded: dict) -> torch.Tensor:
+        """The site tensor rebuilt from the slots' loaded blocks (the unused columns of a smaller
+        rank's B are zeros, as in training)."""
+        first = next(iter(loaded.values()))
+        out = torch.zeros(shape, dtype=first.dtype, device=first.device)
+        for key, block in loaded.items():
+            out[self.lora_factor_index(which, key.rsplit(".", 1)[1])] = block
         return out
 
 
@@ -378,43 +425,59 @@ class _AddLowRank(torch.autograd.Function):
 
 
 class _Gather(torch.autograd.Function):
-    """``src[index]`` for a permutation ``index`` of ``src``; the backward is the gather by its inverse
-    (one kernel, deterministic), not the zero-fill and scatter-add of ``index_select``'s backward."""
+    """``src[index]`` for an ``index`` that reads every element of ``src`` at most once; the backward is
+    the gather by its ``inverse`` (one kernel, deterministic), not the zero-fill and scatter-add of
+    ``index_select``'s backward. ``inverse`` points the unread elements one past the end, at a zero
+    appended to the gradient (``unread``)."""
 
     @staticmethod
-    def forward(ctx, src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, unread: bool):
         ctx.save_for_backward(inverse)
+        ctx.unread = unread
         return src.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+        if ctx.unread:
+            grad = torch.cat([grad, grad.new_zeros(1)])
+        return grad.index_select(0, inverse), None, None, None
 
 
 class _BLayout:
     """Where each element of the fused B comes from: ``index`` (int32, on the device) into
-    [B of each targeted slot, flattened, in slot order; ``zeros`` zeros], ``inverse`` its inverse."""
+    [``lora_B`` flattened; ``zeros`` zeros], and ``inverse``, for each of those its fused position.
+
+    ``lora_B`` holds the targeted slots' row blocks in slot order, as wide as the largest rank; a slot
+    of a smaller rank (``rank_pattern``) uses its first ``r`` columns. The rest is never read, so it
+    gets no gradient and stays zero (``unread``).
+    """
 
     def __init__(self, key: tuple):
         _site, rows, ranks, groups = key
-        rank, col0, start, cols, nnz = dict(ranks), {}, {}, 0, 0
-        for slot, r in ranks:  # slot order: its column block in B, its offset in the flat source
-            col0[slot], start[slot] = cols, nnz
-            cols, nnz = cols + r, nnz + dict(rows)[slot] * r
+        rank, width = dict(ranks), max(r for _, r in ranks)
+        col0, row0, cols, nrows = {}, {}, 0, 0
+        for slot, r in ranks:  # slot order: its column block in the fused B, its rows in lora_B
+            col0[slot], row0[slot] = cols, nrows
+            cols, nrows = cols + r, nrows + dict(rows)[slot]
         parts = []
         for slot, n in rows:  # output row blocks in the site's order
             block = torch.full((n, cols), -1, dtype=torch.int64)
             if slot in rank:
                 r = rank[slot]
-                block[:, col0[slot] : col0[slot] + r] = start[slot] + torch.arange(n * r).view(n, r)
+                block[:, col0[slot] : col0[slot] + r] = (row0[slot] + torch.arange(n)).view(
+                    n, 1
+                ) * width + torch.arange(r)
             parts.append(block.view(groups, n // groups, cols))
         index = torch.cat(parts, dim=1).view(-1, cols)  # QKV: [q; k; v] of each query group in turn
         zero = index < 0
-        index[zero] = nnz + torch.arange(int(zero.sum()))
+        index[zero] = nrows * width + torch.arange(int(zero.sum()))
         self.rows, self.cols, self.zeros = index.shape[0], cols, int(zero.sum())
         self.index = index.view(-1)
-        self.inverse = torch.argsort(self.index)
+        size = self.index.numel()
+        self.inverse = torch.full((nrows * width + self.zeros,), size, dtype=torch.int64)
+        self.inverse[self.index] = torch.arange(size)
+        self.unread = bool((self.inverse == size).any())
 
 
 @functools.cache
@@ -482,24 +545,29 @@ def _device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _grouped_sharded(factors: dict, prefix: str, sharded_offsets: tuple, local_experts: int) -> dict:
+def _grouped_sharded(factors: dict, sharded_offsets: tuple) -> dict:
     """Grouped-GEMM factors, [local experts, ...] each: this rank's block of the global expert axis
     (expert-tensor-parallel size is 1, so there is no TP axis), replicated over expert-DP."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     ep_rank = ps.get_expert_model_parallel_rank()
     ep_size = ps.get_expert_model_parallel_world_size()
-    out = {}
-    for key, t in factors.items():
-        out[f"{prefix}{key}"] = ShardedTensor.from_rank_offsets(
-            f"{prefix}{key}",
+    return {
+        key: ShardedTensor.from_rank_offsets(
+            key,
             t,
             *sharded_offsets,
             (len(sharded_offsets), ep_rank, ep_size),
             replica_id=(0, 0, ps.get_expert_data_parallel_rank()),
             prepend_axis_num=len(sharded_offsets),
         )
-    return out
+        for key, t in factors.items()
+    }
+
+
+def _offsets(sizes: dict[str, int]) -> dict[str, int]:
+    """Where each block starts when the blocks of ``sizes`` are laid end to end in dict order."""
+    return dict(zip(sizes, itertools.accumulate(sizes.values(), initial=0), strict=False))
 
 
 def _slot_out_sizes(site: str, output_size: int, config: Any) -> dict[str, int]:
@@ -579,7 +647,7 @@ class LoraTopKRouter(LoraLayerMixin, TopKRouter):
             is_expert=False,
             replicated=True,
         )
-        for factor in (*self.lora_A.values(), *self.lora_B.values()):
+        for factor in (self.lora_A, self.lora_B):
             factor.sequence_parallel = self.config.sequence_parallel
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:

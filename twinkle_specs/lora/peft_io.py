@@ -41,8 +41,8 @@ PREFIX = "base_model.model."
 class Factor:
     """One factor of one slot on this rank, with where it lives in the PEFT file."""
 
-    param: torch.nn.Parameter  # this rank's factor (for grouped experts: all local experts stacked)
-    index: int | None  # the local expert within a stacked factor
+    param: torch.nn.Parameter  # the linear's lora_A or lora_B (for grouped experts: local experts stacked)
+    index: tuple  # this factor's block of ``param`` (the local expert first for grouped experts)
     key: str  # PEFT tensor name
     tp_dim: int | None  # dimension split over TP ranks, None when replicated
     expert: int | None  # global expert index for routed experts (PEFT stacks them)
@@ -50,12 +50,12 @@ class Factor:
 
     @property
     def tensor(self) -> torch.Tensor:
-        return self.param if self.index is None else self.param[self.index]
+        return self.param[self.index]
 
     @property
     def grad(self) -> torch.Tensor | None:
         g = self.param.grad
-        return g if g is None or self.index is None else g[self.index]
+        return None if g is None else g[self.index]
 
 
 def _lora_config(model) -> LoraConfig:
@@ -128,10 +128,9 @@ def _slot_factors(layer: LoraLayerMixin, hf_names, gemm, expert_sites, num_exper
             (hf,) = [n for n in hf_names if n.split(".")[-2] == slot]
             base, expert = f"{PREFIX}{hf.removesuffix('.weight')}", None
         for which in "AB":
-            tensor = getattr(layer, f"lora_{which}")[slot]
             yield Factor(
-                tensor,
-                gemm,
+                getattr(layer, f"lora_{which}"),
+                (() if gemm is None else (gemm,)) + layer.lora_factor_index(which, slot),
                 f"{base}.lora_{which}.weight",
                 tp_dims.get(which),
                 expert,
