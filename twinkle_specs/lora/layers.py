@@ -9,7 +9,8 @@ holds one slot per adapted projection, so ``q_proj,v_proj`` targeting matches PE
 One parameter per factor kind and linear, ``lora_A`` (the slots' A stacked on the rank axis) and
 ``lora_B`` (their B stacked on the output axis), not one per slot: megatron's optimizer, DDP hooks and
 gradient clipping loop over parameters in Python, and at micro-batch 1 that host time leaves the GPU
-idle after every step's grad-norm sync (Qwen3-1.7B: 392 adapter tensors became 224).
+idle after every step's grad-norm sync (Qwen3-1.7B: 392 adapter tensors became 224, and a step 4-6%
+shorter on an H100, bench/results/2026-11-22-h100-s6).
 :meth:`LoraLayerMixin.lora_factor` is a slot's factor (a view); checkpoints keep one tensor per slot
 (``...linear_qkv.lora_A.q_proj``), see :meth:`LoraLayerMixin.sharded_state_dict`.
 
