@@ -112,6 +112,27 @@ def test_layout_round_trips_peft_adapter(kind, targets, layout, tmp_path):
         assert torch.equal(t, back[key]), key
 
 
+def _sharded_dumps(hf: Path, adapter: Path, root: Path, layouts: dict[str, tuple[int, list[str]]]) -> dict:
+    """Each layout's adapter-only sharded_state_dict, assembled into global tensors (with write counts)."""
+    dumps = {}
+    for name, (nproc, layout) in layouts.items():
+        out = root / name
+        out.mkdir()
+        run_ranks(
+            nproc, WORKER, "--hf", str(hf), "--adapter", str(adapter), "--out", str(out), "--sharded", *layout
+        )
+        dumps[name] = torch.load(out / "sharded.pt")
+    return dumps
+
+
+def _assert_same_global_tensors(dumps: dict, reference: dict) -> None:
+    for name, dump in dumps.items():
+        assert sorted(dump) == sorted(reference), name
+        for key, (full, count) in dump.items():
+            assert torch.equal(count, torch.ones_like(count)), f"{name}: {key} has lost or duplicated shards"
+            assert torch.equal(full, reference[key][0]), f"{name}: {key}"
+
+
 def test_adapter_sharded_state_dict_keeps_every_tp_shard(tmp_path):
     """Adapter-only sharded_state_dict at TP=2 (and TP=2 x PP=2) describes the same global tensors as at
     TP=1: every element written exactly once, none lost to a factor mistaken for a replicated one."""
@@ -119,31 +140,22 @@ def test_adapter_sharded_state_dict_keeps_every_tp_shard(tmp_path):
     ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, target_modules="all-linear"))
     randomize_peft(ref_model)
     ref_model.save_pretrained(tmp_path / "adapter")
-    dumps = {}
-    for name, nproc, layout in [
-        ("tp1", 1, []),
-        ("tp2", 2, ["--tp", "2"]),
-        ("tp2pp2", 4, ["--tp", "2", "--pp", "2"]),
-    ]:
-        out = tmp_path / name
-        out.mkdir()
-        run_ranks(
-            nproc,
-            WORKER,
-            "--hf",
-            str(hf),
-            "--adapter",
-            str(tmp_path / "adapter"),
-            "--out",
-            str(out),
-            "--sharded",
-            *layout,
-        )
-        dumps[name] = torch.load(out / "sharded.pt")
+    layouts = {"tp1": (1, []), "tp2": (2, ["--tp", "2"]), "tp2pp2": (4, ["--tp", "2", "--pp", "2"])}
+    dumps = _sharded_dumps(hf, tmp_path / "adapter", tmp_path, layouts)
     reference = dumps.pop("tp1")
     assert len(reference) == 14  # 7 projections x (A, B), stacked over layers
-    for name, dump in dumps.items():
-        assert sorted(dump) == sorted(reference), name
-        for key, (full, count) in dump.items():
-            assert torch.equal(count, torch.ones_like(count)), f"{name}: {key} has lost or duplicated shards"
-            assert torch.equal(full, reference[key][0]), f"{name}: {key}"
+    _assert_same_global_tensors(dumps, reference)
+
+
+def test_adapter_sharded_state_dict_keeps_every_expert_shard(tmp_path):
+    """The same at EP=2 for a MoE with adapters on the experts: megatron's SequentialMLP rewrites its
+    entries' replica ids to expert-data-parallel ones, which must reach the per-slot tensors that each
+    stacked factor's ShardedTensorFactory builds (else rank 1's experts are lost or duplicated)."""
+    hf = make_checkpoint("qwen3_moe", tmp_path / "hf")
+    ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, **ALL_MOE))
+    randomize_peft(ref_model)
+    ref_model.save_pretrained(tmp_path / "adapter")
+    dumps = _sharded_dumps(hf, tmp_path / "adapter", tmp_path, {"ep1": (1, []), "ep2": (2, ["--ep", "2"])})
+    reference = dumps.pop("ep1")
+    assert any(".experts." in key for key in reference), sorted(reference)
+    _assert_same_global_tensors(dumps, reference)

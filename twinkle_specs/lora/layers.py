@@ -353,19 +353,20 @@ class LoraLayerMixin:
             return out
         dp_cp_group = (metadata or {}).get("dp_cp_group")
         for which in "AB":
-            param = getattr(self, f"lora_{which}")
-            out[f"{prefix}lora_{which}"] = ShardedTensorFactory(
-                f"{prefix}lora_{which}",
-                param,
-                functools.partial(self._lora_build_sharded, which, sharded_offsets, dp_cp_group),
-                functools.partial(self._lora_merge_sharded, which, param.shape),
-            )
+            key, param = f"{prefix}lora_{which}", getattr(self, f"lora_{which}")
+            build = functools.partial(self._lora_build_sharded, which, sharded_offsets, dp_cp_group)
+            # The factory carries its tensors' replica id (the same for every slot of one factor kind),
+            # so that containers which rewrite replica ids (SequentialMLP: expert-DP) reach them.
+            (replica_id,) = {t.replica_id for t in build(key, param, None, None).values()}
+            merge = functools.partial(self._lora_merge_sharded, which, param.shape)
+            out[key] = ShardedTensorFactory(key, param, build, merge, replica_id)
         return out
 
     def _lora_build_sharded(
-        self, which: str, sharded_offsets: tuple, dp_cp_group, key: str, data, _replica_id, flattened_range
+        self, which: str, sharded_offsets: tuple, dp_cp_group, key: str, data, replica_id, flattened_range
     ) -> dict:
-        """The slots' blocks of ``data`` (the factor or an optimizer state of it) as ShardedTensors."""
+        """The slots' blocks of ``data`` (the factor or an optimizer state of it) as ShardedTensors, with
+        the factory's ``replica_id`` where one is given."""
         if flattened_range is not None:
             raise NotImplementedError(
                 f"{key}: LoRA factors in a flattened (legacy fully-sharded) optimizer checkpoint; save "
@@ -376,12 +377,17 @@ class LoraLayerMixin:
             for slot in self.lora_slots
         }
         if self.lora_num_gemms:
-            return _grouped_sharded(views, sharded_offsets)
-        column = self.lora_parallel == "column"
-        axes = {k: 0 if column else 1 for k in views} if (which == "B") == column else {}
-        return make_sharded_tensors_for_checkpoint(
-            views, "", axes, sharded_offsets, tp_group=self.lora_tp_group, dp_cp_group=dp_cp_group
-        )
+            tensors = _grouped_sharded(views, sharded_offsets)
+        else:
+            column = self.lora_parallel == "column"
+            axes = {k: 0 if column else 1 for k in views} if (which == "B") == column else {}
+            tensors = make_sharded_tensors_for_checkpoint(
+                views, "", axes, sharded_offsets, tp_group=self.lora_tp_group, dp_cp_group=dp_cp_group
+            )
+        if replica_id is not None:
+            for t in tensors.values():
+                t.replica_id = replica_id
+        return tensors
 
     def _lora_merge_sharded(self, which: str, shape: torch.Size, loaded: dict) -> torch.Tensor:
         """The site tensor rebuilt from the slots' loaded blocks (the unused columns of a smaller
