@@ -304,3 +304,25 @@ def test_grouped_mm_bf16_cuda_matches_loop():
         assert (gr - t).abs().max() <= 2 * (lo - t).abs().max() + 1e-2 * t.abs().max(), name
     for t in grouped[2:]:
         assert not t[[1, 7, experts - 1]].any()  # zero-token experts: exactly zero gradient
+
+
+def test_sharded_factories_cut_and_rebuild_the_stacked_factors(single_rank):  # noqa: F811
+    """The checkpoint view of the stacked factors: each parameter's ShardedTensorFactory writes one tensor
+    per slot under the per-slot key (the slot's factor, a smaller rank's B without its unused columns)
+    and rebuilds the parameter from them on load, unused columns zero."""
+    slots = CASES["qkv-ranks"][1]
+    layer = _portable("linear_qkv", slots)
+    _randomize(layer)
+    sd = layer.sharded_state_dict("qkv.", (), {"dp_cp_group": None})
+    for which in "AB":
+        factory, param = sd[f"qkv.lora_{which}"], getattr(layer, f"lora_{which}")
+        assert factory.data is param  # what megatron's optimizer looks its parameters up by
+        built = factory.build()
+        assert sorted(built) == sorted(f"qkv.lora_{which}.{s}" for s in slots)
+        for slot in slots:
+            t = built[f"qkv.lora_{which}.{slot}"]
+            assert t.key == f"qkv.lora_{which}.{slot}" and t.replica_id == factory.replica_id
+            assert torch.equal(t.data, layer.lora_factor(which, slot))
+        rebuilt = factory.merge_fn({k: t.data.clone() for k, t in built.items()})
+        assert torch.equal(rebuilt, param)
+    assert layer.lora_B.shape == (128, 8) and not layer.lora_B[64:96, 2:].any()  # k_proj: r=2 of 8

@@ -28,13 +28,14 @@ does for layer norms. Routed-expert factors carry ``allreduce = False`` (expert-
 base weights) and need expert-tensor-parallel size 1.
 
 Forward cost (the adapter must stay cheap next to a host-launch-bound base layer): all slots of one
-linear share one A GEMM (``lora_A`` as it is), one ``scaling`` multiply of the rank-sum activation (never of the full-size output), one TP
-communication of it, and one B GEMM with a block-structured B assembled in the fused output layout
-(QKV interleaved per query group, [gate; up], zero blocks for untargeted projections) by a single
-gather. :meth:`LoraLayerMixin.lora_delta_per_slot` keeps the per-slot computation as the reference.
-The B GEMM accumulates into the base output in place (:class:`_AddLowRank`). In training, the A GEMM of a
-norm-fused linear (and of fc2, see :class:`~twinkle_specs.lora.model.PreActivation`) keeps a recipe for
-its input instead of the input (:mod:`.recompute`): the frozen base does not save that activation.
+linear share one A GEMM (with ``lora_A`` as it is), one ``scaling`` multiply of the rank-sum activation
+(never of the full-size output), one TP communication of it, and one B GEMM with a block-structured
+B assembled in the fused output layout (QKV interleaved per query group, [gate; up], zero blocks for
+untargeted projections) by a single gather. :meth:`LoraLayerMixin.lora_delta_per_slot` keeps the
+per-slot computation as the reference. The B GEMM accumulates into the base output in place
+(:class:`_AddLowRank`). In training, the A GEMM of a norm-fused linear (and of fc2, see
+:class:`~twinkle_specs.lora.model.PreActivation`) keeps a recipe for its input instead of the input
+(:mod:`.recompute`): the frozen base does not save that activation.
 """
 
 from __future__ import annotations
@@ -202,14 +203,13 @@ class LoraLayerMixin:
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """scaling * B(A(dropout(x))) for every slot, laid out like the base output shard.
 
-        Fused over the slots: ``h = x @ [A_1; A_2; ...]^T`` (one GEMM: ``lora_A`` holds the slots' A
-        factors stacked on the rank axis), ``h * scaling`` (rank-r
-        columns), one TP communication of ``h``, then ``h @ B^T`` with the block-structured B of
-        :meth:`lora_B_fused` (one GEMM). Each output row depends on its own slot's rank-r block only
-        (the other blocks of its B row are exact zeros), so this is the per-slot computation of
-        :meth:`lora_delta_per_slot` up to summation order. With active dropout each slot keeps its own
-        dropout mask, as PEFT's separate modules do: the A GEMMs then run per slot on their own
-        dropped input (the rest stays fused).
+        Fused over the slots: ``h = x @ [A_1; A_2; ...]^T`` (one GEMM: that is ``lora_A``),
+        ``h * scaling`` (rank-r columns), one TP communication of ``h``, then ``h @ B^T`` with the
+        block-structured B of :meth:`lora_B_fused` (one GEMM). Each output row depends on its own
+        slot's rank-r block only (the other blocks of its B row are exact zeros), so this is the
+        per-slot computation of :meth:`lora_delta_per_slot` up to summation order. With active
+        dropout each slot keeps its own dropout mask, as PEFT's separate modules do: the A GEMMs then
+        run per slot on their own dropped input (the rest stays fused).
         """
         return F.linear(self.lora_hidden(x), self.lora_B_fused())
 
@@ -471,10 +471,8 @@ class _BLayout:
         for slot, n in rows:  # output row blocks in the site's order
             block = torch.full((n, cols), -1, dtype=torch.int64)
             if slot in rank:
-                r = rank[slot]
-                block[:, col0[slot] : col0[slot] + r] = (row0[slot] + torch.arange(n)).view(
-                    n, 1
-                ) * width + torch.arange(r)
+                r, src_rows = rank[slot], row0[slot] + torch.arange(n)
+                block[:, col0[slot] : col0[slot] + r] = src_rows.view(n, 1) * width + torch.arange(r)
             parts.append(block.view(groups, n // groups, cols))
         index = torch.cat(parts, dim=1).view(-1, cols)  # QKV: [q; k; v] of each query group in turn
         zero = index < 0
