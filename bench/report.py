@@ -117,6 +117,15 @@ def _repeats(r: dict[str, Any]) -> str:
     return f" ({len(medians)} runs, medians {min(medians):.4f}–{max(medians):.4f})"
 
 
+def _commit(doc: dict[str, Any], r: dict[str, Any]) -> str | None:
+    """The tree a row was measured on (rows from before rows carried it: the file's)."""
+    return r.get("git_commit") or doc["environment"].get("git_commit")
+
+
+def _commits(doc: dict[str, Any]) -> list[str | None]:
+    return list(dict.fromkeys(_commit(doc, r) for r in doc["results"]))
+
+
 def markdown(doc: dict[str, Any]) -> str:
     env = doc["environment"]
     lines = [
@@ -131,7 +140,8 @@ def markdown(doc: dict[str, Any]) -> str:
         if env.get("device") != "cpu"
         else "- device: CPU (portable path; proves the harness runs, these are NOT performance results)",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items() if v is not None),
-        f"- twinkle-specs commit: {env.get('git_commit')}",
+        f"- twinkle-specs commit(s): {', '.join(str(c) for c in _commits(doc))}"
+        + (" (each row's after its label)" if len(_commits(doc)) > 1 else ""),
         f"- peak FLOP/s used for MFU: {_fmt(doc.get('peak_flops_per_gpu'), '.1f', 1e-12)} TFLOP/s (dense bf16)",
         "- every step is a complete training iteration (forward, backward, optimizer step) unless the "
         "'step' column says otherwise; times are the median over the timed steps, spread is min–max",
@@ -143,8 +153,10 @@ def markdown(doc: dict[str, Any]) -> str:
         "peak mem GiB | step mem GiB | act mem GiB | trainable | status |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    several = len(_commits(doc)) > 1
     for r in doc["results"]:
         tag = f" [{r['tag']}]" if r.get("tag") else ""  # groups of one shape told apart
+        tag += f" @{_commit(doc, r)}" if several else ""
         head = f"| {r['shape']} | {r['seq_len']} | {r['micro_batch_size']} | {r['label']}{tag} "
         if r.get("status") != "ok":
             lines.append(

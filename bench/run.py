@@ -514,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                     result.setdefault("tag", args.tag)
                 result["command"] = command
                 result["date_utc"] = doc["date_utc"]
+                result["git_commit"] = doc["environment"]["git_commit"]  # merged files mix trees
                 earlier = [r for r in fresh_results if _key(r) == _key(result)]
                 if earlier:
                     combine_repeat(earlier[0], result)

@@ -285,6 +285,13 @@ def test_cpu_merge_and_report_only(cpu_run, tmp_path):
     final = json.loads((out / "results.json").read_text())
     assert len(final["results"]) == len(doc["results"]) + 1
     assert "[mbs-sweep]" in (out / "results.md").read_text()
+    # every row keeps the tree it was measured on; a merge of two trees says which row is which
+    assert {r["git_commit"] for r in final["results"]} == {final["environment"]["git_commit"]}
+    other.write_text(json.dumps(dict(merged, results=[dict(extra, tag="old-tree", git_commit="0ld0ld0")])))
+    assert main(["--report-only", "--out", str(out), "--merge", str(other)]) == 0
+    md = (out / "results.md").read_text()
+    assert "[old-tree] @0ld0ld0" in md and f"[mbs-sweep] @{final['environment']['git_commit']}" in md
+    assert "commit(s): " in md and "0ld0ld0" in md.split("commit(s): ")[1].splitlines()[0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU proof; the GPU test covers the device")
