@@ -31,7 +31,7 @@ def kernel_tables(text: str) -> dict[str, dict[str, tuple[float, float]]]:
             m = KERNEL_LINE.fullmatch(line)
             if not m:
                 break
-            ms, calls = table.get(m[3], (0.0, 0.0))  # names cut short can coincide: add them up
+            ms, calls = table.get(m[3], (0.0, 0.0))  # older profiles cut names short: add coinciding ones
             table[m[3]] = (ms + float(m[1]), calls + int(m[2]) / steps)
         tables[name.strip()] = table
     return tables

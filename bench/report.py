@@ -128,6 +128,7 @@ def _commits(doc: dict[str, Any]) -> list[str | None]:
 
 def markdown(doc: dict[str, Any]) -> str:
     env = doc["environment"]
+    commits = _commits(doc)
     lines = [
         "# twinkle-specs benchmark results",
         "",
@@ -140,8 +141,8 @@ def markdown(doc: dict[str, Any]) -> str:
         if env.get("device") != "cpu"
         else "- device: CPU (portable path; proves the harness runs, these are NOT performance results)",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items() if v is not None),
-        f"- twinkle-specs commit(s): {', '.join(str(c) for c in _commits(doc))}"
-        + (" (each row's after its label)" if len(_commits(doc)) > 1 else ""),
+        f"- twinkle-specs commit(s): {', '.join(str(c) for c in commits)}"
+        + (" (each row's after its label)" if len(commits) > 1 else ""),
         f"- peak FLOP/s used for MFU: {_fmt(doc.get('peak_flops_per_gpu'), '.1f', 1e-12)} TFLOP/s (dense bf16)",
         "- every step is a complete training iteration (forward, backward, optimizer step) unless the "
         "'step' column says otherwise; times are the median over the timed steps, spread is min–max",
@@ -153,10 +154,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "peak mem GiB | step mem GiB | act mem GiB | trainable | status |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    several = len(_commits(doc)) > 1
     for r in doc["results"]:
         tag = f" [{r['tag']}]" if r.get("tag") else ""  # groups of one shape told apart
-        tag += f" @{_commit(doc, r)}" if several else ""
+        tag += f" @{_commit(doc, r)}" if len(commits) > 1 else ""
         head = f"| {r['shape']} | {r['seq_len']} | {r['micro_batch_size']} | {r['label']}{tag} "
         if r.get("status") != "ok":
             lines.append(

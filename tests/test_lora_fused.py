@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_lora_support import run_ranks, single_rank  # noqa: F401  (fixture)
+from test_lora_support import randomize_layer, run_ranks, single_rank  # noqa: F401  (fixture)
 from test_lora_te_standin import te  # noqa: F401  (fixture)
 
 from twinkle_specs.lora import layers
@@ -72,18 +72,8 @@ def _portable(site: str, slots: dict, dropout: float = 0.0, config=None):
         lora_dropout=dropout,
         **kw,
     )
-    _randomize(layer)
+    randomize_layer(layer)
     return layer
-
-
-def _randomize(layer, seed: int = 5) -> None:
-    """Random factors; what a smaller rank's B leaves unused stays zero, as in training."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for slot in layer.lora_slots:
-            for which in "AB":
-                f = layer.lora_factor(which, slot)
-                f.copy_(torch.randn(f.shape, generator=g) * 0.3)
 
 
 def _factors(layer) -> list[torch.Tensor]:
@@ -198,7 +188,7 @@ def _experts(te, site="experts.linear_fc1", n_in=32, n_out=24, r=4):  # noqa: F8
         lora_slots={layers.SITE_SLOTS[site][0]: S(r, 2 * r + 1, False)},
         lora_dropout=0.0,
     )
-    _randomize(layer)
+    randomize_layer(layer)
     return layer
 
 
@@ -312,7 +302,7 @@ def test_sharded_factories_cut_and_rebuild_the_stacked_factors(single_rank):  # 
     and rebuilds the parameter from them on load, unused columns zero."""
     slots = CASES["qkv-ranks"][1]
     layer = _portable("linear_qkv", slots)
-    _randomize(layer)
+    randomize_layer(layer)
     sd = layer.sharded_state_dict("qkv.", (), {"dp_cp_group": None})
     for which in "AB":
         factory, param = sd[f"qkv.lora_{which}"], getattr(layer, f"lora_{which}")

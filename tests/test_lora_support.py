@@ -47,6 +47,17 @@ def randomize_peft(model, seed: int = 3, std: float = 0.1) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
+def randomize_layer(layer, seed: int = 5, std: float = 0.3) -> None:
+    """Non-zero factors in one LoRA layer, slot by slot: what a smaller rank's stacked B leaves unused
+    stays zero, as in training."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for slot in layer.lora_slots:
+            for which in "AB":
+                f = layer.lora_factor(which, slot)
+                f.copy_(torch.randn(f.shape, generator=g) * std)
+
+
 def randomize_megatron(model, seed: int = 3, std: float = 0.1) -> None:
     """Non-zero factors in a Megatron LoRA model; the same seed on every rank keeps replicas equal."""
     from twinkle_specs.lora.peft_io import factors

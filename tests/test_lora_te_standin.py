@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import apply_factories
-from test_lora_support import single_rank  # noqa: F401  (fixture)
+from test_lora_support import randomize_layer, single_rank  # noqa: F401  (fixture)
 
 from twinkle_specs.lora.config import SlotSpec
 from twinkle_specs.weight_map import QKV
@@ -102,15 +102,6 @@ def _config(**kw):
     )
 
 
-def _randomize(layer) -> None:
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for slot in layer.lora_slots:
-            for which in "AB":
-                f = layer.lora_factor(which, slot)
-                f.copy_(torch.randn(f.shape, generator=g) * 0.2)
-
-
 @pytest.mark.parametrize("zero_centered", [False, True])
 def test_norm_fused_qkv_partial_targets(te, single_rank, zero_centered):  # noqa: F811
     config = _config(layernorm_zero_centered_gamma=zero_centered)
@@ -118,7 +109,7 @@ def test_norm_fused_qkv_partial_targets(te, single_rank, zero_centered):  # noqa
     layer = te.LoraTELayerNormColumnParallelLinear(
         32, 64, config=config, lora_site="linear_qkv", lora_slots=slots, lora_dropout=0.0
     )
-    _randomize(layer)
+    randomize_layer(layer, std=0.2)
     x = torch.randn(5, 2, 32)
     out, bias = layer(x)
     assert bias is None
@@ -156,7 +147,7 @@ def test_row_and_column_linears_and_merge(te, single_rank):  # noqa: F811
         lora_dropout=0.0,
     )
     for layer in (row, col):
-        _randomize(layer)
+        randomize_layer(layer, std=0.2)
     x = torch.randn(3, 2, 32)
     expected_row = F.linear(x, row.weight + 4.0 * row.lora_B @ row.lora_A)
     up = 2.0 * col.lora_B @ col.lora_A
@@ -184,7 +175,7 @@ def test_grouped_experts_per_expert_adapters(te, single_rank):  # noqa: F811
     )
     assert layer.lora_A.shape == (3, 2, 32) and layer.lora_B.shape == (3, 24, 2)
     assert layer.lora_A.allreduce is False  # expert-parallel, like the base weights
-    _randomize(layer)
+    randomize_layer(layer, std=0.2)
     splits = [2, 0, 3]
     x = torch.randn(sum(splits), 32)
     parts = torch.split(x, splits)
