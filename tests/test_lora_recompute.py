@@ -15,8 +15,8 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from test_lora_fused import CASES, SIZES, _factors, _portable, _randomize, _rel, _run
-from test_lora_support import single_rank  # noqa: F401  (fixture)
+from test_lora_fused import CASES, SIZES, _factors, _portable, _rel, _run
+from test_lora_support import randomize_layer, single_rank  # noqa: F401  (fixture)
 from test_lora_te_standin import _config, te  # noqa: F401  (fixture)
 
 from twinkle_specs.lora import layers
@@ -117,7 +117,7 @@ def _norm_fused(te, slots=None):  # noqa: F811
     layer = te.LoraTELayerNormColumnParallelLinear(
         32, 64, config=_config(), lora_site="linear_qkv", lora_slots=slots, lora_dropout=0.0
     )
-    _randomize(layer)
+    randomize_layer(layer)
     for p in (layer.weight, layer.layer_norm_weight):
         p.requires_grad_(False)  # a LoRA model's frozen base
     return layer
@@ -204,7 +204,7 @@ class _MLP(torch.nn.Module):
         self.linear_fc2 = adapted(te.LoraTERowParallelLinear, (48, 32), "linear_fc2", "down_proj")
         self.scale_after = scale_after  # != 1: the MLP's activation is not plain SwiGLU
         for lin in (self.linear_fc1, self.linear_fc2):
-            _randomize(lin)
+            randomize_layer(lin)
             lin.weight.requires_grad_(False)
 
     def forward(self, x):
