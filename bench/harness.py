@@ -114,10 +114,46 @@ def spread(values: list[float]) -> dict[str, Any]:
     }
 
 
+class PhaseClock:
+    """Where each step's time goes on the GPU's timeline, without a profiler or a host sync.
+
+    ``phase(name)`` opens a ``record_function`` range (what the profiler shows) and, while timing, records
+    a CUDA event where the phase's work enters the stream. The GPU stamps an event once it has finished
+    everything queued before it, or when it is queued if the GPU was idle by then, so the span from one
+    phase's event to the next is that phase's stretch of the GPU timeline, including the time the GPU
+    waited for the host to queue it (a host-bound phase shows as a span longer than its kernels).
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[str, Any]]] | None = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if self.steps is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.steps[-1].append((name, event))
+        with record_function(name):
+            yield
+
+    def spans(self, ends: list) -> dict[str, dict[str, Any]]:
+        """Per phase, its spans over the timed steps (seconds); ``ends[i]`` ends step ``i``'s last phase."""
+        per_phase: dict[str, list[float]] = {}
+        for marks, end in zip(self.steps or [], ends, strict=True):
+            stops = [e for _, e in marks[1:]] + [end]
+            for (name, start), stop in zip(marks, stops, strict=True):
+                per_phase.setdefault(name, []).append(start.elapsed_time(stop) / 1e3)
+        return {name: spread(v) for name, v in per_phase.items()}
+
+
+CLOCK = PhaseClock()
+
+
 def time_steps(step, warmup: int, steps: int) -> dict[str, Any]:
     """Runs ``warmup`` untimed and ``steps`` timed iterations, without a host sync between timed
-    iterations (CUDA events on a GPU: each step's time is event i to event i+1). Returns per-step times,
-    the wall time of the timed loop, peak memory and losses."""
+    iterations (CUDA events on a GPU: each step's time is event i to event i+1, and :class:`PhaseClock`
+    splits it into forward / backward / optimizer). Returns per-step and per-phase times, the wall time
+    of the timed loop, peak memory and losses."""
     losses = [float(step()) for _ in range(warmup)]
     _sync()
     gc.collect()
@@ -126,12 +162,14 @@ def time_steps(step, warmup: int, steps: int) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
         mem_before = torch.cuda.memory_allocated()
         events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        CLOCK.steps = []
     outs = []
     t0 = time.perf_counter()
     marks = [t0]
     for i in range(steps):
         if on_gpu():
             events[i].record()
+            CLOCK.steps.append([])
         outs.append(step())
         if on_gpu():
             if i == steps - 1:
@@ -140,12 +178,17 @@ def time_steps(step, warmup: int, steps: int) -> dict[str, Any]:
             marks.append(time.perf_counter())
     _sync()
     wall = time.perf_counter() - t0
+    phases = None
     if on_gpu():
         times = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(steps)]
+        phases = CLOCK.spans(events[1:])
+        CLOCK.steps = None
     else:
         times = [b - a for a, b in zip(marks, marks[1:], strict=False)]
     losses += [float(x) for x in outs]
     result = {"step_time_s": spread(times), "timed_wall_s": wall, "losses": losses}
+    if phases:
+        result["phase_time_s"] = phases
     if on_gpu():
         result |= {
             "peak_memory_gib": torch.cuda.max_memory_allocated() / GiB,
@@ -528,17 +571,17 @@ def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: st
     local_graphs = on_gpu() and s.cuda_graphs == "local"
 
     def forward():
-        with record_function("forward"):
+        with CLOCK.phase("forward"):
             return wrapped(tokens, position_ids, None, labels=labels).float().mean()
 
     def backward_and_update(loss):
-        with record_function("backward"):
+        with CLOCK.phase("backward"):
             loss.backward()
         if local_graphs:
             from megatron.core.transformer.cuda_graphs import create_cudagraphs
 
             create_cudagraphs()
-        with record_function("optimizer"):
+        with CLOCK.phase("optimizer"):
             finish()
         return loss.detach()
 
@@ -637,13 +680,13 @@ def run_hf(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: str) -> 
     tokens = torch.randint(0, config.vocab_size, (s.micro_batch_size, s.seq_len), generator=gen).to(dev)
 
     def forward():
-        with record_function("forward"):
+        with CLOCK.phase("forward"):
             return model(input_ids=tokens, labels=tokens).loss
 
     def backward_and_update(loss):
-        with record_function("backward"):
+        with CLOCK.phase("backward"):
             loss.backward()
-        with record_function("optimizer"):
+        with CLOCK.phase("optimizer"):
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -555,7 +555,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def combine_repeat(first: dict, again: dict) -> None:
     """Folds a repeated run of the same variant into ``first``: all step times pooled (median and
-    spread over them), each run's median kept in ``repeat_medians``, memory the larger peak."""
+    spread over them, phase spans too), each run's median kept in ``repeat_medians``, memory the larger
+    peak."""
     from bench.harness import spread
 
     if first.get("status") != "ok" or again.get("status") != "ok":
@@ -571,6 +572,9 @@ def combine_repeat(first: dict, again: dict) -> None:
     first["repeats"] = first.get("repeats", 1) + 1
     times = first["step_time_s"]["all"] + again["step_time_s"]["all"]
     first["step_time_s"] = spread(times)
+    phases, more = first.get("phase_time_s") or {}, again.get("phase_time_s") or {}
+    for name in phases.keys() & more.keys():
+        phases[name] = spread(phases[name]["all"] + more[name]["all"])
     first["losses"] = first["losses"] + again["losses"]
     first["losses_finite"] = first["losses_finite"] and again["losses_finite"]
     for key in ("peak_memory_gib", "peak_reserved_gib", "step_memory_gib"):
@@ -593,6 +597,15 @@ def _one_line(r: dict) -> str:
         f"(min {r['step_time_s']['min'] * 1e3:.1f}, max {r['step_time_s']['max'] * 1e3:.1f})"
         + (f", MFU {mfu:.1%}" if mfu is not None else "")
         + (f", peak {mem:.2f} GiB" if mem is not None else "")
+        + _phases(r)
+    )
+
+
+def _phases(r: dict) -> str:
+    """Median span of each phase on the GPU timeline (see harness.PhaseClock)."""
+    phases = r.get("phase_time_s") or {}
+    return "".join(f", {name} {t['median'] * 1e3:.1f}" for name, t in phases.items()) + (
+        " ms" if phases else ""
     )
 
 

@@ -417,6 +417,40 @@ def test_gpu_harness_small(tmp_path):
             assert r["impl"] == "transformer_engine"
         if r["variant"] not in ("twinkle_frozen",) and not r["variant"].startswith("hf_"):
             assert r["optimizer"].startswith("megatron-core DistributedDataParallel")
+        # the phases tile each step: their medians add up to about the step's median
+        phases = r["phase_time_s"]
+        assert set(phases) == (
+            {"forward", "backward"} | ({"optimizer"} if r["variant"] != "twinkle_frozen" else set())
+        )
+        total = sum(t["median"] for t in phases.values())
+        assert total == pytest.approx(r["step_time_s"]["median"], rel=0.15), (r["variant"], phases)
+
+
+class _Stamp:
+    """A stand-in for a CUDA event: elapsed_time like torch.cuda.Event's, from a given time in ms."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, other: _Stamp) -> float:
+        return other.ms - self.ms
+
+
+def test_phase_clock_spans_run_from_each_phase_to_the_next():
+    """Each phase ends where the next begins; the last ends at the step's end event."""
+    from bench.harness import PhaseClock
+
+    clock = PhaseClock()
+    clock.steps = [
+        [("forward", _Stamp(0)), ("backward", _Stamp(30)), ("optimizer", _Stamp(90))],
+        [("forward", _Stamp(100)), ("backward", _Stamp(140)), ("optimizer", _Stamp(190))],
+    ]
+    spans = clock.spans([_Stamp(100), _Stamp(215)])
+    assert spans["forward"]["all"] == pytest.approx([0.030, 0.040])
+    assert spans["backward"]["all"] == pytest.approx([0.060, 0.050])
+    assert spans["optimizer"]["all"] == pytest.approx([0.010, 0.025])
+    with pytest.raises(ValueError):  # one end per step
+        clock.spans([_Stamp(100)])
 
 
 def test_parent_process_stays_light():
