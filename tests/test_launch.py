@@ -163,7 +163,10 @@ def test_lora_run_freezes_base_saves_adapters_only_and_exports_peft(checkpoints,
     trained = torch.load(tmp_path / "trained" / "rank0.pt")
     assert trained["coords"] == {"tp": 0, "pp": 0, "dp": 0, "ep": 0, "etp": 0, "edp": 0}, trained["coords"]
     assert trained["params"] and all(".lora_" in k for k in trained["params"]), list(trained["params"])[:5]
-    assert any(t.abs().max() > 0 for k, t in trained["params"].items() if k.endswith(".lora_B"))
+    from safetensors.torch import load_file
+
+    exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert any(t.abs().max() > 0 for k, t in exported.items() if ".lora_B." in k)  # B starts at zero
     losses = json.loads((tmp_path / "ck" / "losses.json").read_text())
     assert abs(losses[0] - hf_loss(hf, run["tokens"])) <= 1e-4  # B = 0 at start: exactly the base model
     assert losses[-1] < losses[0]

@@ -62,11 +62,42 @@ def test_only_adapters_train(hf, single_rank):  # noqa: F811
     model = ts.build_model(hf, lora=LoraConfig(r=4, target_modules="all-linear"))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     adapters = {n for n, _ in model.named_parameters() if is_adapter_param(n)}
-    assert trainable == adapters and len(adapters) == 2 * 4 * 2  # 2 layers x 4 linears x (A, B)
+    # each layer's factors (4 linears x (A, B)) in one bank, held by its first adapted linear in module
+    # order (megatron's attention registers linear_proj before linear_qkv)
+    assert (
+        trainable
+        == adapters
+        == {f"decoder.layers.{i}.self_attention.linear_proj.lora_bank" for i in range(2)}
+    )
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     for must in ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"):
         assert must in frozen
     assert len(adapter_parameters(model)) == len(adapters)
+
+
+def test_banked_factors_train_exactly_as_separate_ones(hf, single_rank, monkeypatch):  # noqa: F811
+    """``prepare_lora_model`` moves each layer's factors into one parameter (``bank_lora_factors``):
+    the loss and every factor's gradient are bit-identical to a model whose linears keep their own
+    factors, a ``rank_pattern`` (B wider than a slot's rank) included."""
+    import twinkle_specs.lora.model as lora_model
+    from twinkle_specs.lora.peft_io import factors
+
+    lora = LoraConfig(r=4, target_modules="all-linear", rank_pattern={"q_proj": 2, "down_proj": 6})
+    banked = ts.build_model(hf, lora=lora)
+    monkeypatch.setattr(lora_model, "bank_lora_factors", lambda model: None)
+    separate = ts.build_model(hf, lora=lora)
+    assert len(adapter_parameters(banked)) == 2 and len(adapter_parameters(separate)) == 2 * 4 * 2
+    runs = []
+    for model in (banked, separate):
+        randomize_megatron(model)
+        loss = _loss(model, tokens())
+        loss.backward()
+        runs.append((loss.detach(), [f.grad.clone() for f in factors(model)]))
+    (loss, grads), (want_loss, want) = runs
+    assert torch.equal(loss, want_loss)
+    assert len(grads) == len(want) == 2 * 7 * 2  # layers x projections x (A, B)
+    assert all(g.abs().max() > 0 for g in want)
+    assert all(torch.equal(g, w) for g, w in zip(grads, want, strict=True))
 
 
 def test_adapter_grads_under_full_recompute(hf, single_rank, host_rng):  # noqa: F811

@@ -6,12 +6,14 @@ weight keeps its Megatron name (``...linear_qkv.weight``) for HF loading, checkp
 the factors sit beside it. Each factor is one PEFT adapter ("slot"): a fused linear (QKV, gate/up)
 holds one slot per adapted projection, so ``q_proj,v_proj`` targeting matches PEFT exactly.
 
-One parameter per factor kind and linear, ``lora_A`` (the slots' A stacked on the rank axis) and
-``lora_B`` (their B stacked on the output axis), not one per slot: megatron's optimizer, DDP hooks and
-gradient clipping loop over parameters in Python, and at micro-batch 1 that host time leaves the GPU
-idle after every step's grad-norm sync (Qwen3-1.7B: 392 adapter tensors became 224, and a step 4-6%
-shorter on an H100, bench/results/2026-11-22-h100-s6).
-:meth:`LoraLayerMixin.lora_factor` is a slot's factor (a view); checkpoints keep one tensor per slot
+One tensor per factor kind and linear, ``lora_A`` (the slots' A stacked on the rank axis) and
+``lora_B`` (their B stacked on the output axis), not one per slot; a built model goes further and keeps
+all of a transformer layer's dense factors in one parameter per parallel kind (:class:`LoraBank`, made
+by ``prepare_lora_model``). Megatron's optimizer, DDP hooks and gradient clipping loop over parameters
+in Python, and at micro-batch 1 that host time leaves the GPU idle after every step's grad-norm sync
+(Qwen3-1.7B: one parameter per slot was 392 adapter tensors, per linear 224, per layer 28).
+:meth:`LoraLayerMixin.lora_param` is a factor kind's tensor (the parameter, or a view of the bank),
+:meth:`LoraLayerMixin.lora_factor` a slot's factor; checkpoints keep one tensor per slot
 (``...linear_qkv.lora_A.q_proj``), see :meth:`LoraLayerMixin.sharded_state_dict`.
 
 Tensor parallelism (Megatron's column/row convention):
@@ -115,6 +117,8 @@ class LoraLayerMixin:
             self.lora_tp_group = ps.get_tensor_model_parallel_group()
         self.lora_sequence_parallel = bool(config.sequence_parallel) and self.lora_tp_size > 1
         self.lora_out_sizes = _slot_out_sizes(site, output_size, config)
+        self.lora_banked: dict[str, tuple[torch.nn.Parameter, int, tuple[int, ...]]] = {}
+        self.lora_banks: dict[str, LoraBank] = {}
         self.lora_A = self.lora_B = None
         if not slots:
             return
@@ -162,7 +166,26 @@ class LoraLayerMixin:
     def lora_factor(self, which: str, slot: str) -> torch.Tensor:
         """``slot``'s factor, PEFT's ``lora_A``/``lora_B`` of that projection: a view of the site's
         parameter (all local experts stacked on dim 0 for grouped experts)."""
-        return getattr(self, f"lora_{which}")[self.lora_factor_index(which, slot)]
+        return self.lora_param(which)[self.lora_factor_index(which, slot)]
+
+    def lora_leaf(self, which: str) -> torch.nn.Parameter:
+        """The parameter that holds this linear's ``lora_A``/``lora_B``: its own, or its layer's bank."""
+        banked = self.lora_banked.get(which)
+        return banked[0] if banked else getattr(self, f"lora_{which}")
+
+    def lora_view(self, which: str, t: torch.Tensor) -> torch.Tensor:
+        """This linear's ``lora_A``/``lora_B`` within ``t``, a tensor shaped like :meth:`lora_leaf` (the
+        parameter, its gradient, an optimizer state of it). Made afresh on every call: megatron's DDP
+        moves a parameter's data into its buffers, so a view kept from before would go stale."""
+        banked = self.lora_banked.get(which)
+        if banked is None:
+            return t
+        _, offset, shape = banked
+        return t.view(-1).narrow(0, offset, math.prod(shape)).view(shape)
+
+    def lora_param(self, which: str) -> torch.Tensor:
+        """``lora_A`` or ``lora_B`` of this linear, as the forward uses it (gradients reach the leaf)."""
+        return self.lora_view(which, self.lora_leaf(which))
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -191,13 +214,13 @@ class LoraLayerMixin:
                 [F.linear(self.lora_dropout(inp), self.lora_factor("A", s)) for s in self.lora_slots], dim=-1
             )
         elif dropout or not torch.is_grad_enabled() or not recompute_allowed():
-            h = F.linear(self.lora_dropout(inp), self.lora_A)
+            h = F.linear(self.lora_dropout(inp), self.lora_param("A"))
         elif norm is not None:
-            h = linear_recomputing_input(inp, self.lora_A, x, norm)
+            h = linear_recomputing_input(inp, self.lora_param("A"), x, norm)
         elif activation is not None:
-            h = linear_recomputing_input(inp, self.lora_A, *activation)
+            h = linear_recomputing_input(inp, self.lora_param("A"), *activation)
         else:
-            h = F.linear(inp, self.lora_A)
+            h = F.linear(inp, self.lora_param("A"))
         return self._lora_comm(self._lora_scale(h))
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,8 +244,8 @@ class LoraLayerMixin:
         backward is the inverse gather): two small kernels forward and one backward, whatever the slots.
         """
         if len(SITE_SLOTS[self.lora_site]) == 1:
-            return self.lora_B
-        b = self.lora_B
+            return self.lora_param("B")
+        b = self.lora_param("B")
         layout = _fused_b_layout(self._lora_b_key(), b.device)
         flat = torch.cat([b.reshape(-1), _zeros(layout.zeros, b.dtype, b.device)])
         return _Gather.apply(flat, layout.index, layout.inverse, layout.unread).view(layout.rows, layout.cols)
@@ -352,13 +375,20 @@ class LoraLayerMixin:
         if not self.lora_slots:
             return out
         dp_cp_group = (metadata or {}).get("dp_cp_group")
+        factories = {}
         for which in "AB":
-            key, param = f"{prefix}lora_{which}", getattr(self, f"lora_{which}")
-            build = functools.partial(self._lora_build_sharded, which, sharded_offsets, dp_cp_group)
+            if which not in self.lora_banked:
+                build = functools.partial(self._lora_build_sharded, which, sharded_offsets, dp_cp_group)
+                merge = functools.partial(self._lora_merge_sharded, which, self.lora_leaf(which).shape)
+                factories[f"{prefix}lora_{which}"] = (self.lora_leaf(which), build, merge)
+        for name, bank in self.lora_banks.items():
+            out.pop(f"{prefix}{name}")  # the base listed it as a replicated tensor
+            build, merge = bank.factory_functions(sharded_offsets, dp_cp_group)
+            factories[f"{prefix}{name}"] = (bank.param, build, merge)
+        for key, (param, build, merge) in factories.items():
             # The factory carries its tensors' replica id (the same for every slot of one factor kind),
             # so that containers which rewrite replica ids (SequentialMLP: expert-DP) reach them.
             (replica_id,) = {t.replica_id for t in build(key, param, None, None).values()}
-            merge = functools.partial(self._lora_merge_sharded, which, param.shape)
             out[key] = ShardedTensorFactory(key, param, build, merge, replica_id)
         return out
 
@@ -397,6 +427,53 @@ class LoraLayerMixin:
         for key, block in loaded.items():
             out[self.lora_factor_index(which, key.rsplit(".", 1)[1])] = block
         return out
+
+
+class LoraBank:
+    """One parameter holding the factors of several linears of one transformer layer, all of one
+    parallel kind (TP-sharded or not, sequence-parallel or not: the attributes megatron's gradient
+    reductions and norm read per parameter). ``members`` are (module name relative to the layer,
+    module, ``"A"``/``"B"``), in the bank's order; the first member registers ``param``, and
+    ``owner_name`` is that member's name in the layer.
+
+    Each member reads its factor as a view of the bank (:meth:`LoraLayerMixin.lora_param`); the bank
+    checkpoints as its members' per-slot tensors, under the keys they had on their own.
+    """
+
+    def __init__(self, name: str, param: torch.nn.Parameter, members: list[tuple[str, LoraLayerMixin, str]]):
+        self.name, self.param, self.members = name, param, members
+        self.owner_name = members[0][0]
+
+    def factory_functions(self, sharded_offsets: tuple, dp_cp_group) -> tuple:
+        """``(build, merge)`` of the bank's ``ShardedTensorFactory`` (the members share the owner's layer,
+        hence its offsets). The member keys follow the factory's key at build time
+        (``<layer prefix><owner name>.<bank name>``), which megatron renames when it stacks layers."""
+
+        def build(key: str, data, replica_id, flattened_range) -> dict:
+            layer_prefix = key[: len(key) - len(f"{self.owner_name}.{self.name}")]
+            out = {}
+            for name, module, which in self.members:
+                out |= module._lora_build_sharded(
+                    which,
+                    sharded_offsets,
+                    dp_cp_group,
+                    f"{layer_prefix}{name}.lora_{which}",
+                    module.lora_view(which, data),
+                    replica_id,
+                    flattened_range,
+                )
+            return out
+
+        def merge(loaded: dict) -> torch.Tensor:
+            bank = next(iter(loaded.values())).new_zeros(self.param.shape)
+            for name, module, which in self.members:
+                view = module.lora_view(which, bank)
+                suffix = f".{name}.lora_{which}"
+                mine = {k: v for k, v in loaded.items() if k.rsplit(".", 1)[0].endswith(suffix)}
+                view.copy_(module._lora_merge_sharded(which, view.shape, mine))
+            return bank
+
+        return build, merge
 
 
 def _dropout_active(dropout: torch.nn.Module) -> bool:

@@ -41,8 +41,9 @@ PREFIX = "base_model.model."
 class Factor:
     """One factor of one slot on this rank, with where it lives in the PEFT file."""
 
-    param: torch.nn.Parameter  # the linear's lora_A or lora_B (for grouped experts: local experts stacked)
-    index: tuple  # this factor's block of ``param`` (the local expert first for grouped experts)
+    layer: LoraLayerMixin  # the linear that owns the factor
+    which: str  # "A" or "B"
+    index: tuple  # this factor's block of the linear's lora_A/lora_B (the local expert first for grouped experts)
     key: str  # PEFT tensor name
     tp_dim: int | None  # dimension split over TP ranks, None when replicated
     expert: int | None  # global expert index for routed experts (PEFT stacks them)
@@ -50,12 +51,12 @@ class Factor:
 
     @property
     def tensor(self) -> torch.Tensor:
-        return self.param[self.index]
+        return self.layer.lora_param(self.which)[self.index]
 
     @property
     def grad(self) -> torch.Tensor | None:
-        g = self.param.grad
-        return None if g is None else g[self.index]
+        g = self.layer.lora_leaf(self.which).grad
+        return None if g is None else self.layer.lora_view(self.which, g)[self.index]
 
 
 def _lora_config(model) -> LoraConfig:
@@ -129,7 +130,8 @@ def _slot_factors(layer: LoraLayerMixin, hf_names, gemm, expert_sites, num_exper
             base, expert = f"{PREFIX}{hf.removesuffix('.weight')}", None
         for which in "AB":
             yield Factor(
-                getattr(layer, f"lora_{which}"),
+                layer,
+                which,
                 (() if gemm is None else (gemm,)) + layer.lora_factor_index(which, slot),
                 f"{base}.lora_{which}.weight",
                 tp_dims.get(which),
