@@ -147,6 +147,20 @@ def test_adapter_sharded_state_dict_keeps_every_tp_shard(tmp_path):
     _assert_same_global_tensors(dumps, reference)
 
 
+def test_adapter_sharded_state_dict_of_a_moe_layer_at_tp2(tmp_path):
+    """A MoE layer's banks at TP=2 (attention factors with the router's, which is replicated over TP
+    though column-like): the same global tensors as at TP=1. The router's B was described as TP-sharded
+    (twice its rows at TP=2), and in a bank its replica id then disagreed with the attention's."""
+    hf = make_checkpoint("qwen3_moe", tmp_path / "hf")
+    ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, target_modules="all-linear"))
+    randomize_peft(ref_model)
+    ref_model.save_pretrained(tmp_path / "adapter")
+    dumps = _sharded_dumps(hf, tmp_path / "adapter", tmp_path, {"tp1": (1, []), "tp2": (2, ["--tp", "2"])})
+    reference = dumps.pop("tp1")
+    assert "decoder.layers.mlp.router.lora_B.gate" in reference, sorted(reference)
+    _assert_same_global_tensors(dumps, reference)
+
+
 def test_adapter_sharded_state_dict_keeps_every_expert_shard(tmp_path):
     """The same at EP=2 for a MoE with adapters on the experts: megatron's SequentialMLP rewrites its
     entries' replica ids to expert-data-parallel ones, which must reach the per-slot tensors that each

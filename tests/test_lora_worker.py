@@ -120,7 +120,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     vpp = args.vpp if args.vpp > 1 else None
     ps.initialize_model_parallel(
-        args.tp, args.pp, expert_model_parallel_size=args.ep, virtual_pipeline_model_parallel_size=vpp
+        args.tp,
+        args.pp,
+        expert_model_parallel_size=args.ep,
+        expert_tensor_parallel_size=1,  # LoRA on routed experts needs it (as --expert-tensor-parallel-size 1)
+        virtual_pipeline_model_parallel_size=vpp,
     )
     out = Path(args.out)
     lora = LoraConfig.from_peft(args.adapter)

@@ -410,7 +410,8 @@ class LoraLayerMixin:
             tensors = _grouped_sharded(views, sharded_offsets)
         else:
             column = self.lora_parallel == "column"
-            axes = {k: 0 if column else 1 for k in views} if (which == "B") == column else {}
+            sharded = self.lora_tp_size > 1 and (which == "B") == column  # the router: replicated
+            axes = {k: 0 if column else 1 for k in views} if sharded else {}
             tensors = make_sharded_tensors_for_checkpoint(
                 views, "", axes, sharded_offsets, tp_group=self.lora_tp_group, dp_cp_group=dp_cp_group
             )
