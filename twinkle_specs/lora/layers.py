@@ -118,7 +118,7 @@ class LoraLayerMixin:
         self.lora_sequence_parallel = bool(config.sequence_parallel) and self.lora_tp_size > 1
         self.lora_out_sizes = _slot_out_sizes(site, output_size, config)
         self.lora_banked: dict[str, tuple[torch.nn.Parameter, int, tuple[int, ...]]] = {}
-        self.lora_banks: dict[str, LoraBank] = {}
+        self.lora_banks: list[LoraBank] = []  # the banks this linear registers (see LoraBank)
         self.lora_A = self.lora_B = None
         if not slots:
             return
@@ -243,9 +243,9 @@ class LoraLayerMixin:
         One gather of a cached index over [``lora_B`` flattened; a block of zeros] builds it (its
         backward is the inverse gather): two small kernels forward and one backward, whatever the slots.
         """
-        if len(SITE_SLOTS[self.lora_site]) == 1:
-            return self.lora_param("B")
         b = self.lora_param("B")
+        if len(SITE_SLOTS[self.lora_site]) == 1:
+            return b
         layout = _fused_b_layout(self._lora_b_key(), b.device)
         flat = torch.cat([b.reshape(-1), _zeros(layout.zeros, b.dtype, b.device)])
         return _Gather.apply(flat, layout.index, layout.inverse, layout.unread).view(layout.rows, layout.cols)
@@ -378,13 +378,14 @@ class LoraLayerMixin:
         factories = {}
         for which in "AB":
             if which not in self.lora_banked:
+                param = self.lora_leaf(which)
                 build = functools.partial(self._lora_build_sharded, which, sharded_offsets, dp_cp_group)
-                merge = functools.partial(self._lora_merge_sharded, which, self.lora_leaf(which).shape)
-                factories[f"{prefix}lora_{which}"] = (self.lora_leaf(which), build, merge)
-        for name, bank in self.lora_banks.items():
-            out.pop(f"{prefix}{name}")  # the base listed it as a replicated tensor
+                merge = functools.partial(self._lora_merge_sharded, which, param.shape)
+                factories[f"{prefix}lora_{which}"] = (param, build, merge)
+        for bank in self.lora_banks:
+            out.pop(f"{prefix}{bank.name}")  # the base listed it as a replicated tensor
             build, merge = bank.factory_functions(sharded_offsets, dp_cp_group)
-            factories[f"{prefix}{name}"] = (bank.param, build, merge)
+            factories[f"{prefix}{bank.name}"] = (bank.param, build, merge)
         for key, (param, build, merge) in factories.items():
             # The factory carries its tensors' replica id (the same for every slot of one factor kind),
             # so that containers which rewrite replica ids (SequentialMLP: expert-DP) reach them.

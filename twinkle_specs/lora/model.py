@@ -104,7 +104,7 @@ def _bank_layer(layer: torch.nn.Module) -> None:
             module.lora_banked[which] = (bank, offset, tuple(p.shape))
             offset += p.numel()
         owner.register_parameter(name, bank)
-        owner.lora_banks[name] = LoraBank(name, bank, members)
+        owner.lora_banks.append(LoraBank(name, bank, members))
 
 
 class PreActivation:

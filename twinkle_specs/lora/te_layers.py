@@ -109,7 +109,7 @@ class _LoraTEGroupedLinear(LoraLayerMixin):
             return out, bias
         splits = m_splits.tolist() if torch.is_tensor(m_splits) else list(m_splits)
         (slot,) = self.lora_slots  # routed-expert sites have one slot (gate_up_proj, down_proj)
-        a, b, scaling = self.lora_A, self.lora_B, self.lora_spec[slot].scaling
+        a, b, scaling = self.lora_param("A"), self.lora_param("B"), self.lora_spec[slot].scaling
         # One grouped GEMM per factor where torch has it for these tensors (CUDA sm90, bf16), else the loop.
         delta = expert_delta_grouped if grouped_mm_fits(x, a, b, splits) else expert_delta_loop
         return out + delta(x, a, b, splits, scaling).to(out.dtype), bias
