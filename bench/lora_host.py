@@ -1,18 +1,22 @@
-"""Host time of one adapted norm-fused linear's forward + backward on CPU, tiny tensors (no GPU timings).
+"""Host time of one adapted norm + linear's forward + backward on CPU, tiny tensors (no GPU timings).
 
-At micro-batch 1 the LoRA step on an H100 is bound by the host (bench/results/2026-11-22-h100: GPU busy
-99.5 ms of a 239 ms step), so what an adapter design costs there is mostly Python and dispatch time.
-With tensors this small the CPU time is that overhead. Four ways to compute ``out + s * B(A(norm(x)))``
-with the gradients of x and of every factor:
+At micro-batch 1 the LoRA step on an H100 is bound by the host without CUDA graphs (bench/results/
+2026-11-22-h100: GPU busy 99.5 ms of a 239 ms step), so what an adapter design costs there is mostly
+Python and dispatch time. With tensors this small the CPU time is that overhead. Five ways to compute
+``W norm(x) + s * B(A(norm(x)))`` for a frozen ``W``, with the gradients of x and of every factor (the
+first four beside TE's norm-fused linear, which normalises for the base only, the last beside a norm of
+its own):
 
 * ``keeps norm(x)``: plain autograd ops; the A GEMM saves ``norm(x)`` (the adapter before 9499d08);
 * ``recompute hooks``: the A GEMM keeps ``x`` and recomputes ``norm(x)`` in backward through
-  saved-tensor hooks (``twinkle_specs.lora.recompute``), B GEMM and sum as one addmm (515d0f2);
-* ``hooks + in-place B``: what the layers do now: the same A side, the B GEMM accumulating into the
-  base output in place (``twinkle_specs.lora.layers._AddLowRank``, a custom function: it saves the
-  GPU a full-size copy per linear and costs this much host time);
+  saved-tensor hooks, B GEMM and sum as one addmm (515d0f2);
+* ``hooks + in-place B``: the same A side, the B GEMM accumulating into the base output in place
+  (``AddLowRank``; 0033f32 to 49bdbde);
 * ``autograd.Function``: the same memory behaviour as one custom function per GEMM side with the norm
-  recomputed by a nested backward (the design of 9499d08, replaced because of this cost).
+  recomputed by a nested backward (the design of 9499d08, replaced because of this cost);
+* ``shared norm, handoff``: what the layers do now (``twinkle_specs.lora.functions``): one norm for
+  base and adapter, the A GEMM keeps the norm's input (``LowRankDown`` with a recipe) and hands its
+  input gradient to the base's (``IntoBaseGrad``), in-place B.
 
     python bench/lora_host.py [--iters 3000]
 """
@@ -32,10 +36,31 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from twinkle_specs.lora.layers import _AddLowRank  # noqa: E402
-from twinkle_specs.lora.recompute import linear_recomputing_input  # noqa: E402
+from twinkle_specs.lora.functions import AddLowRank, GradLink, IntoBaseGrad, LowRankDown  # noqa: E402
 
 T, IN, OUT, RANKS, SCALE = 8, 64, 256, (16, 16, 16), 2.0
+
+
+def linear_recomputing_input(inp, weight, source, fn):
+    """``F.linear(inp, weight)`` saving ``source`` instead of ``inp`` through saved-tensor hooks and
+    recomputing ``inp = fn(source)`` in backward (the layers' A GEMM from 515d0f2 to 49bdbde)."""
+    storage = inp.untyped_storage().data_ptr()
+
+    def pack(t):
+        return (
+            (source, t.shape, t.stride(), t.storage_offset())
+            if t.untyped_storage().data_ptr() == storage
+            else t
+        )
+
+    def unpack(p):
+        if not isinstance(p, tuple):
+            return p
+        with torch.no_grad():
+            return fn(p[0]).as_strided(*p[1:])
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return F.linear(inp, weight)
 
 
 class _Down(torch.autograd.Function):
@@ -80,33 +105,40 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     weight = torch.rand(IN) + 0.5
     norm = functools.partial(F.rms_norm, normalized_shape=(IN,), weight=weight, eps=1e-6)
-    a_slots = [torch.randn(r, IN, requires_grad=True) for r in RANKS]
+    w = torch.randn(OUT, IN)  # the frozen base weight
+    a = torch.randn(sum(RANKS), IN, requires_grad=True)  # the slots' A stacked, as lora_A is
     b = torch.randn(OUT, sum(RANKS), requires_grad=True)
 
-    def keeps_input(x, out):
-        return out + F.linear(F.linear(norm(x), torch.cat(a_slots)) * SCALE, b)
+    def base(x):  # TE's norm-fused linear: its own norm, for the base GEMM only
+        return F.linear(norm(x), w)
 
-    def recompute_hooks(x, out):
-        n = norm(x)
-        h = linear_recomputing_input(n, torch.cat(a_slots), x, norm) * SCALE
-        return torch.addmm(out.reshape(-1, OUT), h.reshape(-1, h.shape[-1]), b.t()).view(out.shape)
+    def keeps_input(x):
+        return base(x) + F.linear(F.linear(norm(x), a) * SCALE, b)
 
-    def in_place_b(x, out):
-        n = norm(x)
-        h = linear_recomputing_input(n, torch.cat(a_slots), x, norm) * SCALE
-        return _AddLowRank.apply(out.view_as(out), h, b)  # a view, as TE's output (values drift: timing only)
+    def recompute_hooks(x):
+        h = linear_recomputing_input(norm(x), a, x, norm) * SCALE
+        return torch.addmm(base(x).reshape(-1, OUT), h.reshape(-1, h.shape[-1]), b.t()).view(-1, 1, OUT)
 
-    def function(x, out):
-        return _Up.apply(out, _Down.apply(x, norm, torch.cat(a_slots)), b)
+    def in_place_b(x):
+        h = linear_recomputing_input(norm(x), a, x, norm) * SCALE
+        return AddLowRank.apply(base(x), h, b)
+
+    def function(x):
+        return _Up.apply(base(x), _Down.apply(x, norm, a), b)
+
+    def shared_norm_handoff(x):
+        link = GradLink()
+        n = IntoBaseGrad.apply(norm(x), link)
+        h = LowRankDown.apply(n, a, link, x, norm) * SCALE
+        return AddLowRank.apply(F.linear(n, w), h, b)
 
     def time_us(fn) -> float:
         x = torch.randn(T, 1, IN, requires_grad=True)
-        out = torch.randn(T, 1, OUT, requires_grad=True)
         for _ in range(200):
-            fn(x, out).sum().backward()
+            fn(x).sum().backward()
         t0 = time.perf_counter()
         for _ in range(args.iters):
-            fn(x, out).sum().backward()
+            fn(x).sum().backward()
         return (time.perf_counter() - t0) / args.iters * 1e6
 
     variants = {
@@ -114,10 +146,11 @@ def main(argv: list[str] | None = None) -> None:
         "recompute hooks": recompute_hooks,
         "hooks + in-place B": in_place_b,
         "autograd.Function": function,
+        "shared norm, handoff": shared_norm_handoff,
     }
     for _ in range(2):  # interleaved twice: the spread is the noise
         for name, fn in variants.items():
-            print(f"{name:19s} {time_us(fn):7.1f} us per forward + backward")
+            print(f"{name:20s} {time_us(fn):7.1f} us per forward + backward")
 
 
 if __name__ == "__main__":

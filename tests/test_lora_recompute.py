@@ -1,6 +1,6 @@
 """What the adapter saves for backward, on CPU: the A GEMM's input is recomputed (twinkle_specs.lora
-.recompute) from what the frozen base keeps, the layers' forward (``out += h @ B^T`` in place) equals
-the per-slot reference, and the in-place sum is safe on a TE-like base output.
+.recompute) from what the module producing it keeps (a norm, SwiGLU), the layers' forward (``out +=
+h @ B^T`` in place) equals the per-slot reference, and the in-place sum is safe on a TE-like output.
 
 Memory is measured as the bytes of the distinct storages that autograd saves (saved-tensor hooks), so
 a tensor the base layer saves anyway costs nothing twice. The stand-ins of test_lora_te_standin.py
@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from test_lora_fused import CASES, SIZES, _factors, _portable, _rel, _run
 from test_lora_support import randomize_layer, single_rank  # noqa: F401  (fixture)
-from test_lora_te_standin import _config, te  # noqa: F401  (fixture)
+from test_lora_te_standin import _config, _Norm, te  # noqa: F401  (fixture)
 
-from twinkle_specs.lora import layers
+from twinkle_specs.lora import functions, layers
 from twinkle_specs.lora.config import SlotSpec
-from twinkle_specs.lora.model import PreActivation, link_activation_inputs, swiglu_eager
+from twinkle_specs.lora.model import link_input_recipes, on_2d, swiglu_eager
+from twinkle_specs.lora.recompute import InputRecipe
 
 REL_TOL = 1e-5
 S = SlotSpec
@@ -99,7 +100,7 @@ def test_in_place_sum_on_a_te_like_output(dtype):
     with pytest.raises(RuntimeError, match="view"):
         run(lambda out, h, b: out.view(-1, 24).addmm_(h.view(-1, 4), b.t()))
     want = run(lambda out, h, b: torch.addmm(out.view(-1, 24), h.view(-1, 4), b.t()).view(out.shape))
-    got = run(layers._AddLowRank.apply)
+    got = run(functions.AddLowRank.apply)
     assert all(torch.equal(a, e) for a, e in zip(got, want, strict=True))
 
 
@@ -107,81 +108,77 @@ def test_in_place_sum_fails_loudly_on_a_saved_output():
     """A base that saved its output would see it changed: autograd raises, no gradient is wrong."""
     x = torch.randn(4, 16, requires_grad=True)
     w, h, b = torch.randn(24, 16), torch.randn(4, 4, requires_grad=True), torch.randn(24, 4)
-    y = layers._AddLowRank.apply(_ViewOutput.apply(x, w, True), h, b)
+    y = functions.AddLowRank.apply(_ViewOutput.apply(x, w, True), h, b)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
 
 
-def _norm_fused(te, slots=None):  # noqa: F811
-    slots = slots or {"q_proj": S(4, 8, False), "k_proj": S(2, 4, False), "v_proj": S(4, 8, False)}
-    layer = te.LoraTELayerNormColumnParallelLinear(
-        32, 64, config=_config(), lora_site="linear_qkv", lora_slots=slots, lora_dropout=0.0
-    )
-    randomize_layer(layer)
-    for p in (layer.weight, layer.layer_norm_weight):
-        p.requires_grad_(False)  # a LoRA model's frozen base
-    return layer
+class _NormThenQKV(torch.nn.Module):
+    """A norm module feeding an adapted QKV over the TE stand-ins, base frozen: how both the portable
+    spec and the TE spec (as LoRA builds it) compose a layer's input norm and linear_qkv."""
+
+    def __init__(self, te):  # noqa: F811
+        super().__init__()
+        config = _config()
+        slots = {"q_proj": S(4, 8, False), "k_proj": S(2, 4, False), "v_proj": S(4, 8, False)}
+        self.norm = _Norm(config, 32, config.layernorm_epsilon)
+        self.qkv = te.LoraTEColumnParallelLinear(
+            32, 64, config=config, lora_site="linear_qkv", lora_slots=slots, lora_dropout=0.0
+        )
+        randomize_layer(self.qkv)
+        for p in (self.qkv.weight, self.norm.weight):
+            p.requires_grad_(False)  # a LoRA model's frozen base
+        self.calls = 0  # calls of the recipe's function
+
+    def link(self) -> InputRecipe:
+        def norm(x):
+            self.calls += 1
+            return self.norm.forward(x)
+
+        recipe = InputRecipe(norm, "qkv", from_input=True)
+        self.norm.register_forward_hook(recipe.put)
+        self.qkv.lora_input_recipe = recipe
+        return recipe
+
+    def forward(self, x):
+        return self.qkv(self.norm(x))[0]
 
 
-def _saves_its_input(monkeypatch) -> None:
-    """The A GEMM without recomputation: it keeps its own input (what the adapter did before)."""
-    monkeypatch.setattr(layers, "linear_recomputing_input", lambda inp, a, source, fn: F.linear(inp, a))
-
-
-@pytest.mark.parametrize("trainable_norm", [False, True], ids=["frozen-norm", "trainable-norm"])
-def test_norm_fused_adapter_recomputes_the_norm(te, single_rank, monkeypatch, trainable_norm):  # noqa: F811
-    """The norm-fused QKV adapter keeps x (which the base's norm keeps too), not norm(x): the same
-    output and gradients (the norm weight's too, when it trains) as an adapter that keeps norm(x), and
-    with a frozen norm no hidden-size tensor saved beyond the base's."""
-    layer = _norm_fused(te)
-    layer.layer_norm_weight.requires_grad_(trainable_norm)
+def test_qkv_adapter_recomputes_the_norm(te, single_rank):  # noqa: F811
+    """Linked to the norm before it, the QKV adapter keeps the norm's input (which the norm keeps
+    anyway), not the norm's output: the same output and gradients bit for bit, and one hidden-size
+    activation less saved."""
+    m = _NormThenQKV(te)
     x = torch.randn(64, 2, 32)
     grad = torch.randn(64, 2, 64)
-
-    def forward(x):
-        return layer(x)[0]
-
-    def run():
-        layer.layer_norm_weight.grad = None
-        got = _run(layer, forward, x, grad)
-        return got + ([layer.layer_norm_weight.grad] if trainable_norm else [])
-
-    recomputed = run()
     xr = x.clone().requires_grad_(True)
-    _, recomputed_bytes = saved_bytes(lambda: forward(xr))
-    layer.lora_merged = True  # the base alone (merge() would change the weight; this only skips)
-    _, base_bytes = saved_bytes(lambda: forward(xr))
-    layer.lora_merged = False
-    _saves_its_input(monkeypatch)
-    kept = run()
-    _, kept_bytes = saved_bytes(lambda: forward(xr))
-    assert all(torch.equal(a, b) for a, b in zip(recomputed, kept, strict=True))
-    if trainable_norm:
-        return  # torch's CPU RMSNorm then keeps its own [tokens, hidden] product for the weight gradient
-    activation = 4 * 128 * 32  # one fp32 [tokens, hidden] tensor
-    # saved beyond the base: h [tokens, r], the norm's [tokens] statistics and small constants, less
-    # than one hidden-size activation; keeping norm(x) adds one (so the check can fail)
-    assert recomputed_bytes - base_bytes < activation
-    assert kept_bytes - recomputed_bytes >= activation
+    plain = _run(m.qkv, m, x, grad)
+    _, plain_bytes = saved_bytes(lambda: m(xr))
+    recipe = m.link()
+    linked = _run(m.qkv, m, x, grad)
+    assert recipe.checked and recipe.ok and recipe.pending is None
+    _, linked_bytes = saved_bytes(lambda: m(xr))
+    assert all(torch.equal(a, b) for a, b in zip(linked, plain, strict=True))
+    assert plain_bytes - linked_bytes >= 4 * 128 * 32  # one fp32 [tokens, hidden] tensor
 
 
-def test_outer_saved_tensor_hooks_keep_the_plain_saves(te, single_rank, monkeypatch):  # noqa: F811
+def test_outer_saved_tensor_hooks_keep_the_plain_saves(te, single_rank):  # noqa: F811
     """Under a non-reentrant checkpoint (its own saved-tensor hooks, like activation offloading) the
     adapter recomputes nothing itself and leaves every saved tensor to the checkpoint: same gradients."""
     from torch.utils.checkpoint import checkpoint
 
-    layer = _norm_fused(te)
+    m = _NormThenQKV(te)
     x = torch.randn(16, 2, 32)
     grad = torch.randn(16, 2, 64)
-    plain = _run(layer, lambda x: layer(x)[0], x, grad)
-    calls = []
-    real = layers.linear_recomputing_input
-    monkeypatch.setattr(layers, "linear_recomputing_input", lambda *a: calls.append(1) or real(*a))
-    checkpointed = _run(layer, lambda x: checkpoint(lambda y: layer(y)[0], x, use_reentrant=False), x, grad)
-    assert not calls
+    plain = _run(m.qkv, m, x, grad)
+    m.link()
+    m(x)  # the recipe's first-use check calls it once
+    m.calls = 0
+    checkpointed = _run(m.qkv, lambda x: checkpoint(m, x, use_reentrant=False), x, grad)
+    assert m.calls == 0
     assert all(torch.equal(a, b) for a, b in zip(checkpointed, plain, strict=True))
-    _run(layer, lambda x: layer(x)[0], x, grad)
-    assert calls  # without the checkpoint the recomputation is used: the check above can fail
+    _run(m.qkv, m, x, grad)
+    assert m.calls == 1  # without the checkpoint the recomputation is used: the check above can fail
 
 
 class _MLP(torch.nn.Module):
@@ -221,16 +218,16 @@ def test_fc2_adapter_saves_the_pre_activation(te, single_rank):  # noqa: F811
     plain = _run(mlp.linear_fc2, mlp, x, grad) + [p.grad for p in _factors(mlp.linear_fc1)]
     xr = x.clone().requires_grad_(True)
     _, plain_bytes = saved_bytes(lambda: mlp(xr))
-    link_activation_inputs(mlp)
-    link = mlp.linear_fc2.lora_activation_input
-    assert isinstance(link, PreActivation)
+    link_input_recipes(mlp)
+    link = mlp.linear_fc2.lora_input_recipe
+    assert isinstance(link, InputRecipe)
     linked = _run(mlp.linear_fc2, mlp, x, grad) + [p.grad for p in _factors(mlp.linear_fc1)]
     assert link.checked and link.ok and link.pending is None
     _, linked_bytes = saved_bytes(lambda: mlp(xr))
     assert all(torch.equal(a, b) for a, b in zip(linked, plain, strict=True))
     assert plain_bytes - linked_bytes >= 4 * 32 * 48  # fc2's input [tokens, ffn] no longer saved
-    link_activation_inputs(mlp)  # idempotent: still the one link
-    assert mlp.linear_fc2.lora_activation_input is link
+    link_input_recipes(mlp)  # idempotent: still the one link
+    assert mlp.linear_fc2.lora_input_recipe is link
 
 
 def test_fc2_link_switches_itself_off_when_the_activation_differs(te, single_rank, caplog):  # noqa: F811
@@ -240,18 +237,19 @@ def test_fc2_link_switches_itself_off_when_the_activation_differs(te, single_ran
     x = torch.randn(8, 2, 32)
     grad = torch.randn(8, 2, 32)
     plain = _run(mlp.linear_fc2, mlp, x, grad)
-    link_activation_inputs(mlp)
-    with caplog.at_level(logging.WARNING, logger="twinkle_specs.lora.model"):
+    link_input_recipes(mlp)
+    with caplog.at_level(logging.WARNING, logger="twinkle_specs.lora.recompute"):
         linked = _run(mlp.linear_fc2, mlp, x, grad)
-    link = mlp.linear_fc2.lora_activation_input
+    link = mlp.linear_fc2.lora_input_recipe
     assert link.checked and not link.ok
-    assert "not swiglu" in caplog.text
+    assert "linear_fc2: the adapter input is not fn(source)" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(linked, plain, strict=True))
 
 
-def test_model_links_every_dense_fc2(tmp_path, single_rank):  # noqa: F811
-    """build_model(lora=...) links each layer's MLP; after a training step every link has checked
-    itself (megatron's MLP applies the same SwiGLU) and the gradients equal those without links."""
+def test_model_links_every_adapted_input(tmp_path, single_rank):  # noqa: F811
+    """build_model(lora=...) links each layer's QKV and fc1 to the norm before them and fc2 to fc1;
+    after a training step every link has checked itself (megatron applies the same norm and SwiGLU)
+    and the gradients equal those without links."""
     from test_lora_support import make_checkpoint, tokens
 
     import twinkle_specs as ts
@@ -262,8 +260,10 @@ def test_model_links_every_dense_fc2(tmp_path, single_rank):  # noqa: F811
     for p in adapter_parameters(model):
         with torch.no_grad():
             p.normal_(0, 0.05)
-    links = [m.lora_activation_input for n, m in model.named_modules() if n.endswith("mlp.linear_fc2")]
-    assert links and all(isinstance(k, PreActivation) for k in links)
+    sites = ("self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+    adapted = [m for n, m in model.named_modules() if n.endswith(sites)]
+    links = [m.lora_input_recipe for m in adapted]
+    assert len(links) == 3 * 2 and all(isinstance(k, InputRecipe) for k in links)
     device = next(model.parameters()).device  # build_model puts the model on the GPU where there is one
     toks = tokens().to(device)
     pos = torch.arange(toks.shape[1], device=device).expand_as(toks)
@@ -276,9 +276,8 @@ def test_model_links_every_dense_fc2(tmp_path, single_rank):  # noqa: F811
 
     linked = grads()
     assert all(k.checked and k.ok for k in links)
-    for n, m in model.named_modules():
-        if n.endswith("mlp.linear_fc2"):
-            m.lora_activation_input = None
+    for m in adapted:
+        m.lora_input_recipe = None
     plain = grads()
     assert all(torch.equal(a, b) for a, b in zip(linked, plain, strict=True))
     assert all(g.abs().max() > 0 for g in linked)
@@ -300,16 +299,18 @@ def test_model_links_every_dense_fc2(tmp_path, single_rank):  # noqa: F811
 )
 def test_fc2_link_only_for_plain_swiglu(field, value):
     """The fc1 -> fc2 link exists only where the MLP's activation is plain SwiGLU over a saved input;
-    megatron's fused SwiGLU kernel is the recomputation when bias_activation_fusion is on."""
+    megatron's fused SwiGLU kernel is the recomputation when bias_activation_fusion is on, called on
+    the 2-D view as megatron calls it (torch.compile specialises on the rank)."""
     from types import SimpleNamespace
 
     from megatron.core.fusions.fused_bias_swiglu import swiglu
 
-    from twinkle_specs.lora.model import _activation_fn
+    from twinkle_specs.lora.model import swiglu_fn
 
     plain = dict(
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False
     )
-    assert _activation_fn(SimpleNamespace(**plain)) is swiglu_eager
-    assert _activation_fn(SimpleNamespace(**plain | {"bias_activation_fusion": True})) is swiglu
-    assert _activation_fn(SimpleNamespace(**plain | {field: value})) is None
+    assert swiglu_fn(SimpleNamespace(**plain)) is swiglu_eager
+    fused = swiglu_fn(SimpleNamespace(**plain | {"bias_activation_fusion": True}))
+    assert fused.func is on_2d and fused.args == (swiglu,)
+    assert swiglu_fn(SimpleNamespace(**plain | {field: value})) is None

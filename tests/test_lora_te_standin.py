@@ -50,6 +50,18 @@ class _LayerNormLinear(_Linear):
         return F.linear(_rms(x, w, self.config.layernorm_epsilon), self.weight), None
 
 
+class _Norm(torch.nn.Module):
+    """TENorm's constructor (config, hidden_size, eps) over an RMSNorm."""
+
+    def __init__(self, config, hidden_size: int, eps: float):
+        super().__init__()
+        self.config, self.eps = config, eps
+        self.weight = torch.nn.Parameter(torch.rand(hidden_size) + 0.5)
+
+    def forward(self, x):
+        return _rms(x, self.weight, self.eps)
+
+
 class _Grouped(torch.nn.Module):
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config, **_):
         super().__init__()
@@ -77,6 +89,7 @@ def te(monkeypatch):
         ("TERowParallelLinear", _Linear),
         ("TEColumnParallelGroupedLinear", _Grouped),
         ("TERowParallelGroupedLinear", _Grouped),
+        ("TENorm", _Norm),
     ]:
         setattr(fake, name, type(name, (base,), {"__module__": TE_MODULE}))
     monkeypatch.setitem(sys.modules, TE_MODULE, fake)
@@ -102,18 +115,78 @@ def _config(**kw):
     )
 
 
-@pytest.mark.parametrize("zero_centered", [False, True])
-def test_norm_fused_qkv_partial_targets(te, single_rank, zero_centered):  # noqa: F811
-    config = _config(layernorm_zero_centered_gamma=zero_centered)
+def _te_layer_submodules():
+    """A dense layer as megatron's TE spec composes it, over the stand-ins (QKV and fc1 norm-fused)."""
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    fake = sys.modules[TE_MODULE]
+    attention = SelfAttentionSubmodules(
+        linear_qkv=fake.TELayerNormColumnParallelLinear,
+        core_attention=torch.nn.Identity,  # not built here
+        linear_proj=fake.TERowParallelLinear,
+    )
+    mlp = MLPSubmodules(linear_fc1=fake.TELayerNormColumnParallelLinear, linear_fc2=fake.TERowParallelLinear)
+    return TransformerLayerSubmodules(
+        self_attention=ModuleSpec(module=SelfAttention, submodules=attention),
+        mlp=ModuleSpec(module=MLP, submodules=mlp),
+        sharded_state_dict_keys_map={"mlp.0.weight": "mlp.linear_fc1.layer_norm_weight"},
+    )
+
+
+@pytest.mark.parametrize(
+    "targets,split_qkv,split_fc1",
+    [("all-linear", True, True), (["q_proj", "v_proj"], True, False), (["down_proj"], False, False)],
+    ids=["all-linear", "q-v", "down-only"],
+)
+def test_targeted_norm_fused_linears_become_norm_and_linear(te, targets, split_qkv, split_fc1):  # noqa: F811
+    """A targeted norm-fused TE linear is built as TENorm + plain TE linear (its adapter then shares the
+    norm), keeping the fused module's checkpoint keys; an untargeted one stays fused."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from twinkle_specs.lora import LoraConfig
+    from twinkle_specs.lora.mlp import LoraMLP
+    from twinkle_specs.lora.spec import lora_layer_submodules
+
+    fake = sys.modules[TE_MODULE]
+    got = lora_layer_submodules(
+        _te_layer_submodules(), LoraConfig(r=4, lora_alpha=8, target_modules=targets), _config()
+    )
+    qkv = got.self_attention.submodules.linear_qkv
+    fc1 = got.mlp.submodules.linear_fc1
+    assert got.input_layernorm is (fake.TENorm if split_qkv else IdentityOp)
+    assert got.pre_mlp_layernorm is (fake.TENorm if split_fc1 else IdentityOp)
+    assert (
+        (qkv.module is te.LoraTEColumnParallelLinear)
+        if split_qkv
+        else qkv is fake.TELayerNormColumnParallelLinear
+    )
+    assert (
+        (fc1.module is te.LoraTEColumnParallelLinear)
+        if split_fc1
+        else fc1 is fake.TELayerNormColumnParallelLinear
+    )
+    keys = got.sharded_state_dict_keys_map
+    assert keys["mlp.0.weight"] == "mlp.linear_fc1.layer_norm_weight"  # megatron's own entries kept
+    assert (keys.get("input_layernorm.") == "self_attention.linear_qkv.layer_norm_") is split_qkv
+    assert (keys.get("pre_mlp_layernorm.") == "mlp.linear_fc1.layer_norm_") is split_fc1
+    assert (got.mlp.module is LoraMLP) is split_fc1  # fc1's delta goes into SwiGLU
+
+
+def test_qkv_partial_targets(te, single_rank):  # noqa: F811
+    """QKV with adapters on q and v only, of different ranks and scalings (rsLoRA on v): the delta lands
+    in megatron's interleaved QKV layout, built independently through weight_map's QKV layout."""
+    config = _config()
     slots = {"q_proj": SlotSpec(4, 8, False), "v_proj": SlotSpec(2, 8, True)}
-    layer = te.LoraTELayerNormColumnParallelLinear(
+    layer = te.LoraTEColumnParallelLinear(
         32, 64, config=config, lora_site="linear_qkv", lora_slots=slots, lora_dropout=0.0
     )
     randomize_layer(layer, std=0.2)
-    x = torch.randn(5, 2, 32)
+    x = torch.randn(5, 2, 32, requires_grad=True)
     out, bias = layer(x)
     assert bias is None
-    # Expected: per-projection deltas in HF layout, interleaved by weight_map's QKV layout.
     hf = {
         "q": slots["q_proj"].scaling * layer.lora_factor("B", "q_proj") @ layer.lora_factor("A", "q_proj"),
         "k": torch.zeros(16, 32),
@@ -122,10 +195,9 @@ def test_norm_fused_qkv_partial_targets(te, single_rank, zero_centered):  # noqa
     delta = QKV(groups=2, heads_per_group=2, head_dim=8).load(
         lambda name, rows, cols: hf[name][rows[0] : rows[1]], ("q", "k", "v"), 0, 1
     )
-    w = layer.layer_norm_weight + (1 if zero_centered else 0)
-    expected = F.linear(_rms(x, w, config.layernorm_epsilon), layer.weight + delta)
+    expected = F.linear(x, layer.weight + delta)
     assert (out - expected).abs().max().item() <= TOL
-    assert (expected - F.linear(_rms(x, w, config.layernorm_epsilon), layer.weight)).abs().max() > 1e-2
+    assert (expected - F.linear(x, layer.weight)).abs().max() > 1e-2
 
 
 def test_row_and_column_linears_and_merge(te, single_rank):  # noqa: F811

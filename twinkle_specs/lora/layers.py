@@ -34,10 +34,10 @@ linear share one A GEMM (with ``lora_A`` as it is), one ``scaling`` multiply of 
 (never of the full-size output), one TP communication of it, and one B GEMM with a block-structured
 B assembled in the fused output layout (QKV interleaved per query group, [gate; up], zero blocks for
 untargeted projections) by a single gather. :meth:`LoraLayerMixin.lora_delta_per_slot` keeps the
-per-slot computation as the reference. The B GEMM accumulates into the base output in place
-(:class:`_AddLowRank`). In training, the A GEMM of a norm-fused linear (and of fc2, see
-:class:`~twinkle_specs.lora.model.PreActivation`) keeps a recipe for its input instead of the input
-(:mod:`.recompute`): the frozen base does not save that activation.
+per-slot computation as the reference. In training (:mod:`.functions`) the B GEMM accumulates into the
+base output in place, the adapter's input gradient is added into the base linear's in place, and the A
+GEMM keeps a recipe for its input where the module producing it is linked (:mod:`.recompute`): the
+frozen base does not save that activation.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,7 +63,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from .config import SITE_SLOTS, SlotSpec
-from .recompute import linear_recomputing_input, recompute_allowed
+from .functions import AddLowRank, Gather, GradLink, IntoBaseGrad, LowRankDown
+from .recompute import InputRecipe, recompute_allowed
 
 
 class LoraLayerMixin:
@@ -75,8 +75,9 @@ class LoraLayerMixin:
     """
 
     lora_parallel: str
-    # set by prepare_lora_model on an MLP's linear_fc2: hands over linear_fc1's output (.take(x))
-    lora_activation_input: Any = None
+    # set by prepare_lora_model where the module producing this linear's input is known (a norm before
+    # linear_qkv or linear_fc1, linear_fc1 before linear_fc2): a recipe for the A GEMM's saved input
+    lora_input_recipe: InputRecipe | None = None
 
     def _init_lora(
         self,
@@ -117,7 +118,7 @@ class LoraLayerMixin:
             self.lora_tp_group = ps.get_tensor_model_parallel_group()
         self.lora_sequence_parallel = bool(config.sequence_parallel) and self.lora_tp_size > 1
         self.lora_out_sizes = _slot_out_sizes(site, output_size, config)
-        self.lora_banked: dict[str, tuple[torch.nn.Parameter, int, tuple[int, ...]]] = {}
+        self.lora_banked: dict[str, tuple[LoraBank, int]] = {}  # factor kind -> (bank, member index)
         self.lora_banks: list[LoraBank] = []  # the banks this linear registers (see LoraBank)
         self.lora_A = self.lora_B = None
         if not slots:
@@ -171,7 +172,7 @@ class LoraLayerMixin:
     def lora_leaf(self, which: str) -> torch.nn.Parameter:
         """The parameter that holds this linear's ``lora_A``/``lora_B``: its own, or its layer's bank."""
         banked = self.lora_banked.get(which)
-        return banked[0] if banked else getattr(self, f"lora_{which}")
+        return banked[0].param if banked else getattr(self, f"lora_{which}")
 
     def lora_view(self, which: str, t: torch.Tensor) -> torch.Tensor:
         """This linear's ``lora_A``/``lora_B`` within ``t``, a tensor shaped like :meth:`lora_leaf` (the
@@ -180,47 +181,39 @@ class LoraLayerMixin:
         banked = self.lora_banked.get(which)
         if banked is None:
             return t
-        _, offset, shape = banked
-        return t.view(-1).narrow(0, offset, math.prod(shape)).view(shape)
+        bank, index = banked
+        return t.view(-1).narrow(0, bank.offsets[index], bank.sizes[index]).view(bank.shapes[index])
 
     def lora_param(self, which: str) -> torch.Tensor:
-        """``lora_A`` or ``lora_B`` of this linear, as the forward uses it (gradients reach the leaf)."""
-        return self.lora_view(which, self.lora_leaf(which))
+        """``lora_A`` or ``lora_B`` of this linear, as the forward uses it (gradients reach the leaf);
+        a banked factor is this forward's piece of its bank (:meth:`LoraBank.piece`)."""
+        banked = self.lora_banked.get(which)
+        if banked is None:
+            return getattr(self, f"lora_{which}")
+        bank, index = banked
+        return bank.piece(index)
 
     # -- forward ---------------------------------------------------------------------------------
 
-    def lora_input_norm(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The norm a norm-fused linear applies to its input before the GEMM (its adapter sees
-        ``norm(x)``); None for a plain linear. Norm-fused linears override this."""
-        return None
+    def lora_hidden(
+        self, x: torch.Tensor, recipe: tuple | None = None, link: GradLink | None = None
+    ) -> torch.Tensor:
+        """``scaling * A(dropout(x))`` of all slots after the TP communication, [..., sum(r)].
 
-    def lora_input(self, x: torch.Tensor) -> torch.Tensor:
-        """What the adapter sees: the linear's input, or its normalised input for a norm-fused linear."""
-        norm = self.lora_input_norm()
-        return x if norm is None else norm(x)
-
-    def lora_hidden(self, x: torch.Tensor, activation: tuple | None = None) -> torch.Tensor:
-        """``scaling * A(dropout(input))`` of all slots after the TP communication, [..., sum(r)].
-
-        In training without dropout the A GEMM keeps ``x`` (a norm-fused linear: the norm is
-        recomputed in backward) or, given ``activation = (pre, fn)`` with ``x == fn(pre)``, ``pre``
-        rather than its own input; see :mod:`.recompute`.
+        In training without dropout the A GEMM (:class:`~twinkle_specs.lora.functions.LowRankDown`)
+        keeps, given ``recipe = (source, fn)`` with ``x == fn(source)``, ``source`` rather than ``x``
+        (see :mod:`.recompute`), and, given a ``link``, hands its input gradient to the base's.
         """
-        norm = self.lora_input_norm()
-        inp = x if norm is None else norm(x)
         dropout = _dropout_active(self.lora_dropout)
         if len(self.lora_slots) > 1 and dropout:
             h = torch.cat(
-                [F.linear(self.lora_dropout(inp), self.lora_factor("A", s)) for s in self.lora_slots], dim=-1
+                [F.linear(self.lora_dropout(x), self.lora_factor("A", s)) for s in self.lora_slots], dim=-1
             )
-        elif dropout or not torch.is_grad_enabled() or not recompute_allowed():
-            h = F.linear(self.lora_dropout(inp), self.lora_param("A"))
-        elif norm is not None:
-            h = linear_recomputing_input(inp, self.lora_param("A"), x, norm)
-        elif activation is not None:
-            h = linear_recomputing_input(inp, self.lora_param("A"), *activation)
+        elif dropout or not torch.is_grad_enabled():
+            h = F.linear(self.lora_dropout(x), self.lora_param("A"))
         else:
-            h = F.linear(inp, self.lora_param("A"))
+            source, fn = recipe if recipe is not None and recompute_allowed() else (None, None)
+            h = LowRankDown.apply(x, self.lora_param("A"), link, source, fn)
         return self._lora_comm(self._lora_scale(h))
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -248,7 +241,7 @@ class LoraLayerMixin:
             return b
         layout = _fused_b_layout(self._lora_b_key(), b.device)
         flat = torch.cat([b.reshape(-1), _zeros(layout.zeros, b.dtype, b.device)])
-        return _Gather.apply(flat, layout.index, layout.inverse, layout.unread).view(layout.rows, layout.cols)
+        return Gather.apply(flat, layout.index, layout.inverse, layout.unread).view(layout.rows, layout.cols)
 
     def _lora_b_key(self) -> tuple:
         """What the fused-B layout depends on (hashable; shared by every layer of the same shape)."""
@@ -271,7 +264,6 @@ class LoraLayerMixin:
         """The unfused reference of :meth:`lora_delta`: per slot an A GEMM, a TP communication, a B
         GEMM and a full-size ``scaling`` multiply, then the fused layout with zero-filled parts (what
         the forward did before the fusion; kept for tests and bench/lora_ops.py)."""
-        x = self.lora_input(x)
         deltas = {}
         for slot in self.lora_slots:
             h = F.linear(self.lora_dropout(x), self.lora_factor("A", slot))
@@ -307,16 +299,17 @@ class LoraLayerMixin:
         parts = [p.reshape(*p.shape[:-1], groups, -1) for p in parts]
         return torch.cat(parts, dim=-1).flatten(-2)
 
-    def _lora_add(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``out`` plus the adapter delta of ``x``: the B GEMM accumulates into the base output in place
-        (:class:`_AddLowRank`) where it can, else an out-of-place sum."""
-        activation = self.lora_activation_input.take(x) if self.lora_activation_input else None
-        if self.lora_merged or not self.lora_slots:
-            return out
-        h = self.lora_hidden(x, activation)
+    def lora_active(self) -> bool:
+        """Whether the forward adds the adapters (there are slots and they are not merged)."""
+        return bool(self.lora_slots) and not self.lora_merged
+
+    def _lora_add(self, out: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``out`` plus ``h @ Bᵀ`` (``h`` from :meth:`lora_hidden`): the B GEMM accumulates into the
+        base output in place (:class:`~twinkle_specs.lora.functions.AddLowRank`) where it can, else an
+        out-of-place sum."""
         b = self.lora_B_fused()
         if out.dtype == h.dtype == b.dtype and out.is_contiguous():
-            return _AddLowRank.apply(out, h, b)
+            return AddLowRank.apply(out, h, b)
         return out + F.linear(h, b).to(out.dtype)
 
     # -- merge -----------------------------------------------------------------------------------
@@ -438,13 +431,39 @@ class LoraBank:
     module, ``"A"``/``"B"``), in the bank's order; the first member registers ``param``, and
     ``owner_name`` is that member's name in the layer.
 
-    Each member reads its factor as a view of the bank (:meth:`LoraLayerMixin.lora_param`); the bank
-    checkpoints as its members' per-slot tensors, under the keys they had on their own.
+    Each member reads its factor as a piece of the bank (:meth:`piece`); the bank checkpoints as its
+    members' per-slot tensors, under the keys they had on their own. ``shapes`` are the members'
+    factor shapes, laid end to end in member order.
     """
 
-    def __init__(self, name: str, param: torch.nn.Parameter, members: list[tuple[str, LoraLayerMixin, str]]):
-        self.name, self.param, self.members = name, param, members
+    def __init__(
+        self,
+        name: str,
+        param: torch.nn.Parameter,
+        members: list[tuple[str, LoraLayerMixin, str]],
+        shapes: list[tuple[int, ...]],
+    ):
+        self.name, self.param, self.members, self.shapes = name, param, members, shapes
         self.owner_name = members[0][0]
+        self.sizes = [math.prod(shape) for shape in shapes]
+        self.offsets = list(itertools.accumulate(self.sizes, initial=0))[:-1]
+        self._pieces: tuple[torch.Tensor, ...] = ()
+        self._made_for: tuple = ()
+        self._taken: set[int] = set()
+
+    def piece(self, index: int) -> torch.Tensor:
+        """Member ``index``'s factor for this forward: all members' factors come from one ``split`` of
+        the bank, made when a member asks a second time (a new forward) or when the bank's storage or
+        the grad mode changed (megatron's DDP moves parameters into its buffers). The gradients then
+        reach the bank through one concatenation per layer and kind, not a zero-filled bank-size
+        tensor per member and the sums of them (on the Qwen3-8B shape 23 small kernels per layer).
+        """
+        made_for = (self.param.data_ptr(), torch.is_grad_enabled())
+        if index in self._taken or made_for != self._made_for:
+            self._pieces = self.param.view(-1).split(self.sizes)
+            self._made_for, self._taken = made_for, set()
+        self._taken.add(index)
+        return self._pieces[index].view(self.shapes[index])
 
     def factory_functions(self, sharded_offsets: tuple, dp_cp_group) -> tuple:
         """``(build, merge)`` of the bank's ``ShardedTensorFactory`` (the members share the owner's layer,
@@ -480,54 +499,6 @@ class LoraBank:
 
 def _dropout_active(dropout: torch.nn.Module) -> bool:
     return isinstance(dropout, torch.nn.Dropout) and dropout.training and dropout.p > 0
-
-
-class _AddLowRank(torch.autograd.Function):
-    """``out += h @ bᵀ`` in place, for the base linear's output ``out`` (fresh, saved by nobody).
-
-    ``torch.addmm(out, h, bᵀ)`` first copies ``out`` into its result, a full-size copy per adapted
-    linear (3 ms per step of the Qwen3-1.7B shape at 4096 tokens on an H100, of ~115); here the B GEMM
-    accumulates into ``out`` itself (cuBLAS beta = 1). ``addmm_`` cannot be called on ``out`` under
-    autograd: Transformer Engine returns it as a view made inside its autograd function, which autograd
-    forbids modifying in place, hence this function. The gradient of ``out`` passes through unchanged,
-    those of ``h`` and ``b`` are ``addmm``'s. Had anything saved ``out`` for its backward, autograd
-    would raise its "modified by an inplace operation" error there (the version counter moves): a
-    loud failure, never a silently wrong gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(h, b)
-        out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), b.t())
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        h, b = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        dh = (g @ b).view(h.shape) if ctx.needs_input_grad[1] else None
-        db = g.t() @ h.reshape(-1, h.shape[-1]) if ctx.needs_input_grad[2] else None
-        return grad, dh, db
-
-
-class _Gather(torch.autograd.Function):
-    """``src[index]`` for an ``index`` that reads every element of ``src`` at most once; the backward is
-    the gather by its ``inverse`` (one kernel, deterministic), not the zero-fill and scatter-add of
-    ``index_select``'s backward. ``inverse`` points the unread elements one past the end, at a zero
-    appended to the gradient (``unread``)."""
-
-    @staticmethod
-    def forward(ctx, src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, unread: bool):
-        ctx.save_for_backward(inverse)
-        ctx.unread = unread
-        return src.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        if ctx.unread:
-            grad = torch.cat([grad, grad.new_zeros(1)])
-        return grad.index_select(0, inverse), None, None, None
 
 
 class _BLayout:
@@ -694,8 +665,24 @@ class LoraLinearMixin(LoraLayerMixin):
         )
 
     def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any):
-        out, bias = super().forward(input_, *args, **kwargs)
-        return self._lora_add(out, input_), bias
+        if not self.lora_active():
+            if self.lora_input_recipe:
+                self.lora_input_recipe.take(input_)  # drop what the producer handed over
+            return super().forward(input_, *args, **kwargs)
+        out, bias, h = self.lora_base_and_hidden(input_, *args, **kwargs)
+        return self._lora_add(out, h), bias
+
+    def lora_base_and_hidden(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
+        """The base's ``(out, bias)`` and the adapter's ``h`` (:meth:`lora_hidden`), not yet added: for a
+        consumer that applies ``h @ Bᵀ`` itself (:class:`~twinkle_specs.lora.mlp.LoraMLP`)."""
+        recipe = self.lora_input_recipe.take(input_) if self.lora_input_recipe else None
+        # In training without dropout the base and the A GEMM share one input gradient: the adapter's
+        # is added into the base's dgrad in place (functions.IntoBaseGrad), not summed by autograd.
+        wants = torch.is_grad_enabled() and input_.requires_grad and not _dropout_active(self.lora_dropout)
+        link = GradLink() if wants else None
+        x = IntoBaseGrad.apply(input_, link) if link else input_
+        out, bias = super().forward(x, *args, **kwargs)
+        return out, bias, self.lora_hidden(x, recipe, link)
 
 
 class LoraColumnParallelLinear(LoraLinearMixin, ColumnParallelLinear):
@@ -736,4 +723,4 @@ class LoraTopKRouter(LoraLayerMixin, TopKRouter):
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         logits = super().gating(input)
-        return self._lora_add(logits, input)
+        return self._lora_add(logits, self.lora_hidden(input)) if self.lora_active() else logits

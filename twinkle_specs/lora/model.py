@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import logging
+import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -11,8 +12,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 
 from ..parallel import is_adapter_param, model_chunks
 from .layers import LoraBank, LoraLayerMixin
-
-log = logging.getLogger(__name__)
+from .recompute import InputRecipe
 
 
 def lora_modules(model) -> Iterator[tuple[int, str, LoraLayerMixin]]:
@@ -51,7 +51,7 @@ def prepare_lora_model(model) -> None:
         embedding = getattr(chunk, "embedding", None)
         if embedding is not None and not getattr(chunk, "_lora_input_hook", None):
             chunk._lora_input_hook = embedding.register_forward_hook(_require_grad_hook)
-        link_activation_inputs(chunk)
+        link_input_recipes(chunk)
     bank_lora_factors(model)
 
 
@@ -98,48 +98,12 @@ def _bank_layer(layer: torch.nn.Module) -> None:
         if sp:
             bank.sequence_parallel = True
         owner, name = members[0][1], "lora_bank_tp" if tp else "lora_bank"
-        offset = 0
-        for (_, module, which), p in zip(members, leaves, strict=True):
+        lora_bank = LoraBank(name, bank, members, [tuple(p.shape) for p in leaves])
+        for index, (_, module, which) in enumerate(members):
             del module._parameters[f"lora_{which}"]
-            module.lora_banked[which] = (bank, offset, tuple(p.shape))
-            offset += p.numel()
+            module.lora_banked[which] = (lora_bank, index)
         owner.register_parameter(name, bank)
-        owner.lora_banks.append(LoraBank(name, bank, members))
-
-
-class PreActivation:
-    """Hands an MLP's ``linear_fc1`` output (the SwiGLU input) to the adapter of its ``linear_fc2``.
-
-    The fc2 adapter needs its input ``x = swiglu(pre)`` again for A's gradient. The frozen base does
-    not keep ``x`` (TE saves no GEMM input without a weight gradient), but SwiGLU keeps ``pre``; saving
-    ``pre`` and recomputing ``x`` costs one activation kernel in backward instead of an FFN-size tensor
-    per layer. The first use checks that the recomputation reproduces ``x`` bit for bit (the MLP may
-    apply its activation differently: fused or not, per-token scales); if not, this link is switched off
-    and fc2's adapter saves ``x`` as before.
-    """
-
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], name: str) -> None:
-        self.fn, self.name = fn, name
-        self.pending: torch.Tensor | None = None
-        self.checked = self.ok = False
-
-    def put(self, _module: torch.nn.Module, _inputs: tuple, output) -> None:
-        self.pending = output[0] if isinstance(output, tuple) else output
-
-    def take(self, x: torch.Tensor) -> tuple | None:
-        """``(pre, fn)`` with ``fn(pre) == x``, or None; drops the reference either way."""
-        pre, self.pending = self.pending, None
-        if pre is None or pre.shape[:-1] != x.shape[:-1] or pre.shape[-1] != 2 * x.shape[-1]:
-            return None
-        if not self.checked:
-            self.checked = True
-            with torch.no_grad():
-                self.ok = torch.equal(self.fn(pre), x)
-            if not self.ok:
-                log.warning(
-                    "%s: the fc2 adapter input is not swiglu(fc1 output); it is saved as is", self.name
-                )
-        return (pre, self.fn) if self.ok else None
+        owner.lora_banks.append(lora_bank)
 
 
 def swiglu_eager(pre: torch.Tensor) -> torch.Tensor:
@@ -148,7 +112,14 @@ def swiglu_eager(pre: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _activation_fn(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def on_2d(fn: Callable[[torch.Tensor], torch.Tensor], pre: torch.Tensor) -> torch.Tensor:
+    """``fn`` of the [tokens, 2F] view of ``pre``, as megatron's ``bias_swiglu_impl`` calls its compiled
+    SwiGLU: ``torch.compile`` specialises on the rank, and a 3-D call compiles a second, dynamic-shape
+    kernel (238 us against 95 per call on the Qwen3-8B shape, H100, bench/results/2026-11-23-h100-s8)."""
+    return fn(pre.reshape(-1, pre.shape[-1])).view(*pre.shape[:-1], -1)
+
+
+def swiglu_fn(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """How the MLP turns fc1's output into fc2's input, where that is plain SwiGLU and SwiGLU keeps its
     input as is (no bias, clamp or offset, no TE activation op, no fp8 input store, no activation
     offloading); None otherwise."""
@@ -171,24 +142,45 @@ def _activation_fn(config) -> Callable[[torch.Tensor], torch.Tensor] | None:
     if config.bias_activation_fusion:
         from megatron.core.fusions.fused_bias_swiglu import swiglu
 
-        return swiglu
+        return functools.partial(on_2d, swiglu)
     return swiglu_eager
 
 
-def link_activation_inputs(chunk: torch.nn.Module) -> None:
-    """Gives every MLP whose ``linear_fc2`` carries an adapter a :class:`PreActivation` link (idempotent)."""
-    for name, mlp in chunk.named_modules():
-        fc1, fc2 = getattr(mlp, "linear_fc1", None), getattr(mlp, "linear_fc2", None)
-        if not isinstance(fc2, LoraLayerMixin) or not fc2.lora_slots or fc2.lora_activation_input:
-            continue
-        if fc2.lora_num_gemms or not isinstance(fc1, torch.nn.Module):
-            continue  # grouped experts: per-expert token blocks, their own path
-        fn = _activation_fn(mlp.config)
-        if fn is None:
-            continue
-        link = PreActivation(fn, f"{name}.linear_fc2")
-        fc1.register_forward_hook(link.put)
-        fc2.lora_activation_input = link
+def _link(producer: Any, consumer: Any, fn: Callable | None, name: str, *, from_input: bool) -> None:
+    """An :class:`InputRecipe` from ``producer`` to the adapted linear ``consumer``, where both are
+    there and the consumer has none yet."""
+    if not isinstance(consumer, LoraLayerMixin) or not consumer.lora_slots or consumer.lora_num_gemms:
+        return  # grouped experts: per-expert token blocks, their own path
+    if consumer.lora_input_recipe or fn is None or not isinstance(producer, torch.nn.Module):
+        return
+    recipe = InputRecipe(fn, name, from_input=from_input)
+    producer.register_forward_hook(recipe.put)
+    consumer.lora_input_recipe = recipe
+
+
+def link_input_recipes(chunk: torch.nn.Module) -> None:
+    """Gives each adapted linear whose input's producer is known an :class:`InputRecipe` (idempotent):
+    an MLP's ``linear_fc2`` (from its ``linear_fc1`` through plain SwiGLU), and a layer's ``linear_qkv``
+    and dense ``linear_fc1`` from the norm before them where that norm is a module of its own (the
+    portable spec, and the TE spec as LoRA builds it: :mod:`twinkle_specs.lora.spec`)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    def norm_fn(norm: Any) -> Callable | None:
+        return None if isinstance(norm, IdentityOp) else getattr(norm, "forward", None)
+
+    for name, module in chunk.named_modules():
+        if isinstance(module, TransformerLayer):
+            attn, mlp = module.self_attention, module.mlp
+            qkv = getattr(attn, "linear_qkv", None)
+            norm = module.input_layernorm
+            _link(norm, qkv, norm_fn(norm), f"{name}.self_attention.linear_qkv", from_input=True)
+            norm = module.pre_mlp_layernorm
+            fc1 = getattr(mlp, "linear_fc1", None)
+            _link(norm, fc1, norm_fn(norm), f"{name}.mlp.linear_fc1", from_input=True)
+        fc1, fc2 = getattr(module, "linear_fc1", None), getattr(module, "linear_fc2", None)
+        if isinstance(fc2, LoraLayerMixin):
+            _link(fc1, fc2, swiglu_fn(module.config), f"{name}.linear_fc2", from_input=False)
 
 
 def merge_lora(model) -> None:

@@ -1,67 +1,72 @@
 """The adapter's A GEMM keeps a recipe for its input, not a copy, where the base keeps the ingredient.
 
-With a frozen base, Transformer Engine saves no GEMM input (there is no weight gradient), so when
-autograd saves the adapter's input for A's gradient (``norm(x)`` of a norm-fused QKV or fc1, the SwiGLU
-output feeding fc2) that is a whole extra activation per linear: 2.25 GiB on the Qwen3-1.7B shape at
-4096 tokens, a third of the frozen model's activations (bench/results/2026-11-22-h200-profile-before).
-The base does keep what those inputs are computed from (``x`` for its own norm's gradient, SwiGLU's
-input for SwiGLU's), so the GEMM's saved input is swapped, through saved-tensor hooks, for that tensor
-and the function that recomputes the input in backward (one norm or activation kernel).
-
-Hooks rather than a custom ``autograd.Function``: everything else stays torch's own C++ autograd (no
-Python in the backward but the recompute, no nested backward for the norm). Host time matters, the
-micro-batch-1 LoRA step is host-bound: on CPU with tiny tensors (``bench/lora_host.py``) the hooks add
-about 65 us per norm-fused linear's forward + backward to the adapter that keeps ``norm(x)``, a custom
-function about 95 us.
+With a frozen base, Transformer Engine saves no GEMM input (there is no weight gradient), so an A GEMM
+that saved its own input (the norm's output feeding QKV or fc1, the SwiGLU output feeding fc2) would
+keep a whole extra activation per linear: 2.25 GiB on the Qwen3-1.7B shape at 4096 tokens, a third of
+the frozen model's activations (bench/results/2026-11-22-h200-profile-before). The module producing
+that input keeps what it is computed from (the norm its input, SwiGLU its input), so the A GEMM
+(:class:`~twinkle_specs.lora.functions.LowRankDown`) keeps that tensor and the function that recomputes
+its input in backward (one norm or activation kernel). An :class:`InputRecipe` links the producer to
+the adapted linear that consumes its output.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-
-class _Recipe:
-    """What a saved tensor is recomputed from: ``fn(source)`` viewed as the saved tensor was."""
-
-    __slots__ = ("source", "fn", "shape", "stride", "offset")
-
-    def __init__(self, source: torch.Tensor, fn: Callable, saved: torch.Tensor) -> None:
-        self.source, self.fn = source, fn
-        self.shape, self.stride, self.offset = saved.shape, saved.stride(), saved.storage_offset()
-
-    def tensor(self) -> torch.Tensor:
-        with torch.no_grad():
-            return self.fn(self.source).as_strided(self.shape, self.stride, self.offset)
+log = logging.getLogger(__name__)
 
 
 def recompute_allowed() -> bool:
-    """Whether nobody else manages saved tensors here: a non-reentrant checkpoint or activation
-    offloading installs saved-tensor hooks of its own, and inner hooks would hide the GEMM's saves
-    from them (a reference kept here would outlive what they drop or offload)."""
+    """Whether nobody else manages saved tensors here: under a non-reentrant checkpoint or activation
+    offloading (saved-tensor hooks of their own) the A GEMM saves its input as is and leaves it to
+    them, rather than keeping a second tensor alive beside what they drop or offload."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top is None or top(False) is None
 
 
-def linear_recomputing_input(
-    inp: torch.Tensor, weight: torch.Tensor, source: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
-    """``F.linear(inp, weight)`` whose backward recomputes ``inp = fn(source)`` instead of keeping it.
+class InputRecipe:
+    """Hands an adapted linear a recipe for its input: ``(source, fn)`` with ``fn(source) == input``.
 
-    ``fn(source)`` must reproduce ``inp`` bit for bit (same kernel, same dtype); ``source`` is kept
-    alive instead of ``inp``, so this saves memory only where something else keeps ``source`` anyway.
-    Any view of ``inp`` that the GEMM saves (``linear`` flattens the token dimensions) is rebuilt as
-    the same view of the recomputed tensor.
+    A forward hook on the producer module records ``source``: its input (a norm, ``from_input``) or its
+    output (an MLP's ``linear_fc1``, whose output the activation ``fn`` turns into fc2's input). The
+    consumer's :meth:`take` checks on first use that ``fn(source)`` reproduces its input bit for bit
+    (the model may apply a different activation, or the norm's output may not be what reaches the
+    linear); if not, this link switches itself off and the A GEMM saves its input as before.
     """
-    storage = inp.untyped_storage().data_ptr()
 
-    def pack(t: torch.Tensor):
-        return _Recipe(source, fn, t) if t.untyped_storage().data_ptr() == storage else t
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], name: str, *, from_input: bool) -> None:
+        self.fn, self.name, self.from_input = fn, name, from_input
+        self.pending: tuple | None = None  # (source, fn handed over with it, or None)
+        self.checked = self.ok = False
+        self.widths: tuple[int, int] | None = None  # (source, input) last dims of the checked call
 
-    def unpack(p):
-        return p.tensor() if isinstance(p, _Recipe) else p
+    def put(self, _module: torch.nn.Module, inputs: tuple, output) -> None:
+        """The producer's forward hook."""
+        source = inputs[0] if self.from_input else output
+        self.pending = (source[0] if isinstance(source, tuple) else source, None)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        return F.linear(inp, weight)
+    def hand(self, source: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """For a producer that computes the consumer's input as ``fn(source)`` itself (the same function,
+        so bit for bit by construction): the recipe of this one call, taken without a check."""
+        self.pending = (source, fn)
+
+    def take(self, x: torch.Tensor) -> tuple | None:
+        """``(source, fn)`` with ``fn(source) == x``, or None; drops the reference either way."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending[0].shape[:-1] != x.shape[:-1]:
+            return None
+        source, handed = pending
+        if handed is not None:
+            return source, handed
+        widths = (source.shape[-1], x.shape[-1])
+        if not self.checked:
+            self.checked, self.widths = True, widths
+            with torch.no_grad():
+                self.ok = torch.equal(self.fn(source), x)
+            if not self.ok:
+                log.warning("%s: the adapter input is not fn(source); it is saved as is", self.name)
+        return (source, self.fn) if self.ok and widths == self.widths else None

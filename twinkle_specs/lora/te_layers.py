@@ -1,26 +1,21 @@
 """LoRA wrappers of megatron-core's Transformer Engine linears (imported only on the TE path).
 
-Same factors, TP rules and fused slot computation as :mod:`twinkle_specs.lora.layers`. The norm-fused
-linear feeds its adapter the *normalised* input, recomputed here from its own ``layer_norm_weight`` (an
-RMSNorm over the hidden size, one fused kernel, cheap next to the GEMM) so the LoRA branch does not
-depend on TE's ``return_layernorm_output`` gradient conventions (nor on its sequence-parallel and FP8
-handling of that output). Grouped-GEMM experts hold per-expert factors stacked on dim 0 and apply them
+Same factors, TP rules and fused slot computation as :mod:`twinkle_specs.lora.layers`. There is no
+wrapper of TE's norm-fused linear: an adapted QKV or fc1 is built as megatron's TENorm followed by a
+plain TE linear (:mod:`twinkle_specs.lora.spec`), so that the adapter shares the norm's output and its
+backward with the base. Grouped-GEMM experts hold per-expert factors stacked on dim 0 and apply them
 to each expert's token block (``m_splits``) with torch's grouped GEMM where it runs (CUDA sm90, bf16),
 else one expert at a time.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from megatron.core.extensions.transformer_engine import (
     TEColumnParallelGroupedLinear,
     TEColumnParallelLinear,
-    TELayerNormColumnParallelLinear,
     TERowParallelGroupedLinear,
     TERowParallelLinear,
 )
@@ -34,41 +29,8 @@ from .layers import (
 )
 
 
-class LoraTELayerNormColumnParallelLinear(LoraLinearMixin, TELayerNormColumnParallelLinear):
-    """TE norm-fused column-parallel linear (linear_qkv, dense linear_fc1); the adapter sees norm(x)."""
-
-    lora_parallel = "column"
-
-    def lora_input_norm(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The same norm megatron configured TE with (normalization, epsilon, zero-centred gamma)."""
-        config = self.config
-        if config.normalization != "RMSNorm":
-            raise NotImplementedError(f"LoRA on a {config.normalization}-fused linear: Qwen uses RMSNorm")
-        return functools.partial(
-            rms_norm_input,
-            weight=self.layer_norm_weight,
-            eps=config.layernorm_epsilon,
-            zero_centered=config.layernorm_zero_centered_gamma,
-        )
-
-
-def rms_norm_input(x: torch.Tensor, *, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    """RMSNorm of the adapter input as TE computes it before its GEMM.
-
-    ``F.rms_norm`` in the input's dtype computes in fp32 internally (torch's composite upcasts, the CUDA
-    kernel accumulates in fp32) and rounds once at the end, like an explicit ``x.float()`` ...
-    ``.to(x.dtype)``, without the two full-size casts; on CUDA it is one fused kernel each way. A
-    zero-centred gamma (``1 + w``, which bf16 cannot hold exactly) or a weight of another dtype keeps
-    the explicit fp32 computation.
-    """
-    if not zero_centered and weight.dtype == x.dtype:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    w = weight.float() + 1 if zero_centered else weight.float()
-    return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
-
-
 class LoraTEColumnParallelLinear(LoraLinearMixin, TEColumnParallelLinear):
-    """TE column-parallel linear (shared/sequential experts' linear_fc1, MoE-layer linear_qkv)."""
+    """TE column-parallel linear (linear_qkv and linear_fc1 after a TENorm, experts' linear_fc1)."""
 
     lora_parallel = "column"
 
@@ -128,7 +90,6 @@ class LoraTERowParallelGroupedLinear(_LoraTEGroupedLinear, TERowParallelGroupedL
 
 
 WRAPPERS = {
-    TELayerNormColumnParallelLinear: LoraTELayerNormColumnParallelLinear,
     TEColumnParallelLinear: LoraTEColumnParallelLinear,
     TERowParallelLinear: LoraTERowParallelLinear,
     TEColumnParallelGroupedLinear: LoraTEColumnParallelGroupedLinear,
