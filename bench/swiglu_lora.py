@@ -1,14 +1,18 @@
-"""fc1's LoRA delta fused into SwiGLU (twinkle_specs.lora.swiglu) against the unfused path, on one GPU.
+"""An adapted MLP's SwiGLU with fc1's and fc2's adapters folded in (twinkle_specs.lora.swiglu) against
+the unfused path it replaces, on one GPU: CUDA-graph-replayed ms per call, for each launch configuration
+given, as JSON lines.
 
-Prints JSON lines: the Triton path's error against the op's torch reference path (bf16, output and the
-gradients of pre, h and b), then CUDA-graph-replayed times (ms per call) of
-- unfused_fwd: in-place ``pre.addmm_(h, b.T)`` + megatron-core's ``swiglu`` (unfused_addmm: the GEMM alone)
+- unfused_fwd: fc1's delta added in place (``pre.addmm_(h, b.T)``) + megatron-core's compiled ``swiglu``
 - fused_fwd: ``swiglu_lora_forward``
-- swiglu_back: megatron-core's ``swiglu_back(g, y)`` alone
-- fused_bwd: the op's backward (kernel + ``dy @ b`` + ``dy.T @ h``)
-- unfused_bwd: ``swiglu_back`` + ``dy @ b`` + ``dy.T @ h``
+- unfused_bwd: what the adapters' backward ran around SwiGLU before: fc2's input-gradient share
+  accumulated into fc2's dgrad (``dout.addmm_(dh2, a2)``), fc2's input recomputed (``swiglu``), a2's
+  gradient (``dh2.T @ act``), ``swiglu_back``, fc1's B gradients (``dy @ b``, ``dy.T @ h``)
+- fused_bwd: the op's backward kernel + ``dy @ b`` (everything above)
 
-    PYTHONPATH=. python bench/swiglu_lora.py [--tokens 4096 --ffn 12288 --rank 32 --iters 50]
+    PYTHONPATH=. python bench/swiglu_lora.py [--tokens 4096 --ffn 12288 --rank 32 --rank2 16 --iters 50]
+        [--fwd 64,128,8 --fwd ...] [--bwd 32,64,4 --bwd ...]
+
+Errors of the kernels against the reference path are tests/test_lora_swiglu.py's (gpu-marked).
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import torch
 from megatron.core.fusions.fused_bias_swiglu import swiglu, swiglu_back
@@ -45,71 +48,62 @@ def graph_ms(fn: Callable[[], object], iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def fused_backward(dout: torch.Tensor, pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor):
-    """The op's own backward, called without autograd (a frozen-base fc1 still needs d_pre)."""
-    ctx = SimpleNamespace(saved_tensors=(pre, h, b), needs_input_grad=(True, True, True))
-    return S.SwigluLora.backward(ctx, dout)
-
-
-def unfused_backward(dout: torch.Tensor, y: torch.Tensor, h: torch.Tensor, b: torch.Tensor):
-    """What the unfused path runs for the same gradients: d_pre is swiglu_back's output itself."""
-    d = swiglu_back(dout, y)
-    return d, d @ b, d.t() @ h
-
-
-def errors(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor, dout: torch.Tensor) -> None:
-    """Triton path vs the op's torch reference path on the same bf16 inputs."""
-    results = {}
-    for name, triton in (("triton", True), ("reference", False)):
-        use = S._use_triton
-        S._use_triton = lambda *_, forced=triton: forced
-        try:
-            results[name] = [S.swiglu_lora_forward(pre, h, b), *fused_backward(dout, pre, h, b)]
-        finally:
-            S._use_triton = use
-    for name, t, r in zip(
-        ("out", "d_pre", "d_h", "d_b"), results["triton"], results["reference"], strict=True
-    ):
-        diff = (t.float() - r.float()).abs()
-        rel = diff.max() / r.float().abs().max()
-        frac = (t != r).float().mean()
-        print(json.dumps({"error": name, "max_abs": diff.max().item(), "max_rel": rel.item(),
-                          "differing": frac.item()}))  # fmt: skip
+def _blocks(text: str) -> tuple[int, int, int]:
+    bt, bf, warps = (int(v) for v in text.split(","))
+    return bt, bf, warps
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--ffn", type=int, default=12288)
-    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=32, help="fc1's rank sum (gate + up)")
+    ap.add_argument("--rank2", type=int, default=16, help="fc2's rank")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--block", default=None, help="BLOCK_T,BLOCK_F,NUM_WARPS overriding the module's")
+    ap.add_argument("--fwd", type=_blocks, action="append", help="token block, F block, warps (repeatable)")
+    ap.add_argument("--bwd", type=_blocks, action="append", help="token block, F block, warps (repeatable)")
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False  # the reference path's fp32 GEMM must be exact fp32
-    if args.block:
-        S.BLOCK_T, S.BLOCK_F, S.NUM_WARPS = (int(v) for v in args.block.split(","))
-    T, F, R, dt = args.tokens, args.ffn, args.rank, torch.bfloat16
+    T, F, R, R2, dt = args.tokens, args.ffn, args.rank, args.rank2, torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(0)
-    pre = torch.randn(T, 2 * F, device="cuda", generator=g).to(dt)
-    h = torch.randn(T, R, device="cuda", generator=g).to(dt)
-    b = (torch.randn(2 * F, R, device="cuda", generator=g) / R**0.5).to(dt)
-    dout = torch.randn(T, F, device="cuda", generator=g).to(dt)
-    print(json.dumps({"device": torch.cuda.get_device_name(), "tokens": T, "ffn": F, "rank": R,
-                      "block": [S.BLOCK_T, S.BLOCK_F, S.NUM_WARPS]}))  # fmt: skip
-    errors(pre, h, b, dout)
 
-    acc = pre.clone()  # the unfused forward adds into its input: keep pre for the fused runs
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dt)
+
+    pre, h, b = randn(T, 2 * F), randn(T, R), randn(2 * F, R, scale=R**-0.5)
+    dout, dh2, a2 = randn(T, F), randn(T, R2), randn(R2, F, scale=F**-0.5)
+    print(json.dumps({"device": torch.cuda.get_device_name(), "tokens": T, "ffn": F, "rank": R, "rank2": R2}))
+
+    acc, dacc = pre.clone(), dout.clone()  # the unfused in-place sums' targets
     y = torch.addmm(pre, h, b.t())
-    times = {
-        "unfused_addmm": lambda: acc.addmm_(h, b.t()),
+
+    def unfused_bwd():
+        d = dacc.addmm_(dh2, a2)
+        act = swiglu(y)
+        da2 = dh2.t() @ act
+        dy = swiglu_back(d, y)
+        return dy @ b, dy.t() @ h, da2
+
+    def fused_bwd():
+        dy, d_b, d_a2 = S._triton_backward(dout, pre, h, b, dh2, a2)
+        return dy @ b, d_b, d_a2
+
+    base = {
         "unfused_fwd": lambda: swiglu(acc.addmm_(h, b.t())),
-        "fused_fwd": lambda: S.swiglu_lora_forward(pre, h, b),
-        "swiglu_back": lambda: swiglu_back(dout, y),
-        "fused_bwd": lambda: fused_backward(dout, pre, h, b),
-        "unfused_bwd": lambda: unfused_backward(dout, y, h, b),
+        "unfused_bwd": unfused_bwd,
     }
-    for name, fn in times.items():
+    for name, fn in base.items():
         print(json.dumps({"time": name, "ms": round(graph_ms(fn, args.iters), 4)}))
+    for blocks in args.fwd or [S.FWD_BLOCKS]:
+        S.FWD_BLOCKS = blocks
+        ms = graph_ms(lambda: S.swiglu_lora_forward(pre, h, b), args.iters)
+        print(json.dumps({"time": "fused_fwd", "blocks": blocks, "ms": round(ms, 4)}))
+    for blocks in args.bwd or [S.BWD_BLOCKS]:
+        S.BWD_BLOCKS = blocks
+        print(
+            json.dumps(
+                {"time": "fused_bwd", "blocks": blocks, "ms": round(graph_ms(fused_bwd, args.iters), 4)}
+            )
+        )
 
 
 if __name__ == "__main__":

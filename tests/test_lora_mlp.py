@@ -68,17 +68,31 @@ def _run(m, forward, x, grad):
     return [y.detach(), x.grad, *(p.grad for p in factors)]
 
 
-def test_fc1_delta_inside_swiglu_equals_the_unfused_mlp(single_rank, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("fc2_path", ["deferred", "recipe"])
+def test_adapters_inside_swiglu_equal_the_unfused_mlp(single_rank, monkeypatch, fc2_path):  # noqa: F811
+    """Output and every gradient as the unfused MLP's. ``deferred`` (training without dropout): fc2's
+    A gradient and input-gradient share come from SwiGLU's backward, and nothing of fc2's input
+    [tokens, ffn] is saved. ``recipe`` (fc2 cannot hand over its input gradient, e.g. with dropout):
+    fc2's adapter recomputes its input once, through the recipe LoraMLP hands it."""
     m = _mlp()
     assert m.lora_fuses_activation
     link_input_recipes(m)
+    if fc2_path == "recipe":
+        monkeypatch.setattr(m.linear_fc2, "lora_links_grad", lambda x: False)
     calls = []
     real = lora_mlp.swiglu_lora_forward
     monkeypatch.setattr(lora_mlp, "swiglu_lora_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
     g = torch.Generator().manual_seed(0)
     x, grad = torch.randn(8, 2, 32, generator=g), torch.randn(8, 2, 32, generator=g)
     got = _run(m, lambda x: m(x)[0], x, grad)
-    assert calls == [1]  # fc2's adapter recomputed its input through the handed recipe
+    assert calls == ([1] if fc2_path == "recipe" else [])
+    if fc2_path == "deferred":  # (recording saves is itself saved-tensor hooks, which switch recipes off)
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t
+        ):
+            m(x.clone().requires_grad_(True))
+        assert (8, 2, 48) not in shapes and (16, 48) not in shapes  # fc2's input is not kept
     assert m.linear_fc2.lora_input_recipe.pending is None
     want = _run(m, lambda x: _unfused(m, x), x, grad)
     scale = max(w.abs().max().item() for w in want)

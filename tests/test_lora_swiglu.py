@@ -1,5 +1,6 @@
-"""twinkle_specs.lora.swiglu: ``swiglu(pre + h @ b.T)`` in one op, against plain autograd of the unfused
-expression, on CPU (the torch reference path), and its Triton kernels under the Triton interpreter.
+"""twinkle_specs.lora.swiglu: ``swiglu(pre + h @ b.T)`` in one op (with fc2's deferred A GEMM gradient:
+``h2 = out @ a2.T``), against plain autograd of the unfused expression, on CPU (the torch reference
+path), and its Triton kernels under the Triton interpreter (and on the GPU, gpu-marked).
 
 Tolerances, max |Δ| relative to the largest value compared (output and every gradient):
 - fp32 vs unfused autograd: 1e-5 (the same math in another order and a closed-form SwiGLU gradient;
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_specs.lora import swiglu as S
+from twinkle_specs.lora.functions import GradLink, LowRankDown
 
 FP32_TOL, BF16_TOL = 1e-5, 3e-2
 INTERP_TOL = {"float16": 2e-3, "bfloat16": 4e-2}
@@ -62,6 +64,30 @@ def _run(fn, tensors, needs: tuple[bool, bool, bool]) -> list[torch.Tensor]:
     return [out, *grads]
 
 
+def _fc2_inputs(tensors: list[torch.Tensor], rank2: int, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """fc2's A [R2, F] and the gradient of its A GEMM's output [*lead, R2], for ``tensors``' shapes."""
+    pre, _, _, dout = tensors
+    g = torch.Generator().manual_seed(seed)
+    a2 = torch.randn(rank2, dout.shape[-1], generator=g) / dout.shape[-1] ** 0.5
+    return a2.to(pre.dtype), torch.randn(*dout.shape[:-1], rank2, generator=g).to(pre.dtype)
+
+
+def _run_fc2(fused: bool, tensors, a2: torch.Tensor, dh2: torch.Tensor) -> list[torch.Tensor]:
+    """``out`` and ``h2 = out @ a2.T`` (fc2's A GEMM, its link deferred to the op when ``fused``), and
+    the gradients of pre, h, b and a2 for the upstream gradients ``dout`` of out and ``dh2`` of h2."""
+    pre, h, b, dout = (t.detach().clone().requires_grad_(True) for t in tensors)
+    a2 = a2.detach().clone().requires_grad_(True)
+    if fused:
+        link = GradLink(deferred=True)
+        out = S.swiglu_lora(pre, h, b, a2, link)
+        h2 = LowRankDown.apply(out, a2, link, None, None)
+    else:
+        out = _unfused(pre, h, b)
+        h2 = out @ a2.t()
+    grads = torch.autograd.grad([out, h2], [pre, h, b, a2], [dout.detach(), dh2])
+    return [out.detach(), *grads]
+
+
 @pytest.mark.parametrize("grads", list(GRADS))
 @pytest.mark.parametrize("rank", [5, 16, 48])
 @pytest.mark.parametrize("lead", [(6, 3), (17,)], ids=["s,b", "T"])
@@ -78,6 +104,18 @@ def test_reference_matches_unfused_autograd(lead, rank, grads):
             assert _rel(g, w) <= tol, (dtype, name, _rel(g, w))
 
 
+@pytest.mark.parametrize("rank2", [4, 16])
+def test_deferred_fc2_gradients_match_unfused_autograd(rank2):
+    """With fc2's A GEMM deferring to the op: fc2's input-gradient share and a2's gradient from the op's
+    backward equal plain autograd's (pre, h, b and a2), fp32 and bf16."""
+    for dtype, tol in ((torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)):
+        tensors = _inputs((6, 3), 40, 5, dtype)
+        a2, dh2 = _fc2_inputs(tensors, rank2)
+        got, want = _run_fc2(True, tensors, a2, dh2), _run_fc2(False, tensors, a2, dh2)
+        for name, g, w in zip(("out", "pre", "h", "b", "a2"), got, want, strict=True):
+            assert g.shape == w.shape and _rel(g, w) <= tol, (dtype, name, _rel(g, w))
+
+
 def test_no_grad_entry_is_bitwise_the_autograd_forward():
     pre, h, b, _ = _inputs((9, 2), 24, 5, torch.bfloat16)
     out = S.swiglu_lora(pre, h.requires_grad_(), b.requires_grad_())
@@ -91,7 +129,7 @@ def test_saves_inputs_not_the_preactivation():
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         S.swiglu_lora(pre.requires_grad_(), h.requires_grad_(), b.requires_grad_())
-    assert [t.data_ptr() for t in saved] == [pre.data_ptr(), h.data_ptr(), b.data_ptr()]
+    assert [t.data_ptr() for t in saved if t is not None] == [pre.data_ptr(), h.data_ptr(), b.data_ptr()]
 
 
 def test_rejects_mismatched_inputs():
@@ -114,33 +152,51 @@ def test_imports_and_runs_without_triton(monkeypatch):
     assert torch.equal(fresh.swiglu_lora(pre, h, b), S.swiglu_lora_forward(pre, h, b))
 
 
-def _interpreted_errors() -> dict[str, float]:
-    """Run in a child with TRITON_INTERPRET=1: the op with its Triton path forced on CPU tensors vs the
-    reference path, output and all three gradients; plus kernel launches and no-grad bit-equality."""
-    launches = 0
-    launch = S._launch
+class _Counting:
+    """A Triton kernel whose launches (``kernel[grid](...)``) are counted."""
 
-    def counting(*args, **kwargs):
-        nonlocal launches
-        launches += 1
-        launch(*args, **kwargs)
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
 
-    S._launch, use_triton = counting, S._use_triton
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def _kernel_errors(device: str, cases: tuple) -> dict[str, float]:
+    """The op with its Triton path forced vs the reference path on ``device`` tensors, output and every
+    gradient, with and without fc2's deferred A GEMM; no-grad bit-equality; kernel launches."""
+    fwd, bwd = _Counting(S._fwd_kernel), _Counting(S._bwd_kernel)
+    S._fwd_kernel, S._bwd_kernel, use_triton = fwd, bwd, S._use_triton
     errors: dict[str, float] = {}
-    for dtype in (torch.float16, torch.bfloat16):
-        # several tiles with ragged edges (T 70 > BLOCK_T, F 200 > BLOCK_F), R below/at/above 16
-        for lead, ffn, rank in (((70,), 200, 5), ((7, 3), 130, 48), ((5,), 16, 16)):
-            tensors = _inputs(lead, ffn, rank, dtype, seed=1)
-            ref = _run(S.swiglu_lora, tensors, (True, True, True))
-            S._use_triton = lambda *_: True
-            tri = _run(S.swiglu_lora, tensors, (True, True, True))
-            nograd = S.swiglu_lora_forward(*tensors[:3])
-            S._use_triton = use_triton
-            for name, t, r in zip(("out", "pre", "h", "b"), tri, ref, strict=True):
-                errors[f"{str(dtype)[6:]}/{lead}/{ffn}/{rank}/{name}"] = _rel(t, r)
-            errors[f"nograd-differs/{str(dtype)[6:]}/{lead}"] = float(not torch.equal(nograd, tri[0]))
-    errors["launches"] = launches
+    try:
+        for dtype in (torch.float16, torch.bfloat16):
+            for lead, ffn, rank, rank2 in cases:
+                tensors = [t.to(device) for t in _inputs(lead, ffn, rank, dtype, seed=1)]
+                a2, dh2 = (t.to(device) for t in _fc2_inputs(tensors, rank2))
+                runs = {}
+                for path in ("triton", "reference"):
+                    S._use_triton = (lambda *_: True) if path == "triton" else (lambda *_: False)
+                    runs[path] = _run(S.swiglu_lora, tensors, (True, True, True)) + _run_fc2(
+                        True, tensors, a2, dh2
+                    )
+                    if path == "triton":
+                        nograd = S.swiglu_lora_forward(*tensors[:3])
+                S._use_triton = use_triton
+                names = ("out", "pre", "h", "b", "fc2/out", "fc2/pre", "fc2/h", "fc2/b", "fc2/a2")
+                for name, t, r in zip(names, runs["triton"], runs["reference"], strict=True):
+                    errors[f"{str(dtype)[6:]}/{lead}/{ffn}/{rank}/{name}"] = _rel(t, r)
+                errors[f"nograd-differs/{str(dtype)[6:]}/{lead}"] = float(
+                    not torch.equal(nograd, runs["triton"][0])
+                )
+    finally:
+        S._fwd_kernel, S._bwd_kernel, S._use_triton = fwd.kernel, bwd.kernel, use_triton
+    errors["launches"] = (fwd.launches, bwd.launches)
     return errors
+
+
+# several tiles with ragged edges (T 70 > the token blocks, F 200 > the F blocks), R below/at/above 16
+INTERPRETED = (((70,), 200, 5, 4), ((7, 3), 130, 48, 16), ((5,), 16, 16, 3))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -151,8 +207,8 @@ def test_triton_kernels_under_interpreter():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     errors = json.loads(run.stdout.strip().splitlines()[-1])
-    # per case: forward and backward kernel with the forced Triton path, forward kernel for no-grad
-    assert errors.pop("launches") == 2 * 3 * 3, errors
+    # per dtype and case: forward twice and backward twice (without and with fc2), forward for no-grad
+    assert errors.pop("launches") == [2 * 3 * 3, 2 * 3 * 2], errors
     for key, err in errors.items():
         tol = 0.0 if key.startswith("nograd") else INTERP_TOL[key.split("/")[0]]
         assert err <= tol, (key, err, tol)
@@ -160,26 +216,18 @@ def test_triton_kernels_under_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or S.triton is None, reason="needs a CUDA GPU and Triton")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_triton_kernels_on_cuda_match_the_reference(dtype):
-    """The compiled kernels against the reference path on the GPU, output and every gradient, for the
-    Qwen3-8B MLP width at a few hundred tokens, ragged edges and a rank below 16 included. Tolerance:
-    2 ulps of the dtype relative to the largest value (bf16 1.6e-2, fp16 2e-3; the products are summed
-    in another order, which can move a value across a rounding boundary); the no-grad entry is the
-    autograd forward bit for bit."""
-    tol = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
-    for lead, ffn, rank in (((300,), 12288, 32), ((7, 3), 200, 5)):
-        tensors = [t.cuda() for t in _inputs(lead, ffn, rank, dtype, seed=2)]
-        ref_use, S._use_triton = S._use_triton, lambda *_: False
-        try:
-            ref = _run(S.swiglu_lora, tensors, (True, True, True))
-        finally:
-            S._use_triton = ref_use
-        got = _run(S.swiglu_lora, tensors, (True, True, True))
-        assert torch.equal(S.swiglu_lora_forward(*tensors[:3]), got[0])
-        for name, t, r in zip(("out", "pre", "h", "b"), got, ref, strict=True):
-            assert _rel(t, r) <= tol, (lead, ffn, rank, name, _rel(t, r))
+def test_triton_kernels_on_cuda_match_the_reference():
+    """The compiled kernels against the reference path on the GPU, output and every gradient with and
+    without fc2's deferred A GEMM, at the Qwen3-8B MLP width for a few hundred tokens and at ragged
+    small shapes. Tolerance: 2 ulps of the dtype relative to the largest value (bf16 1.6e-2, fp16 2e-3:
+    the products are summed in another order, which can move a value across a rounding boundary); the
+    no-grad entry is the autograd forward bit for bit."""
+    errors = _kernel_errors("cuda", (((300,), 12288, 32, 16), ((7, 3), 200, 5, 4)))
+    errors.pop("launches")
+    for key, err in errors.items():
+        tol = 0.0 if key.startswith("nograd") else {"float16": 2e-3, "bfloat16": 1.6e-2}[key.split("/")[0]]
+        assert err <= tol, (key, err, tol)
 
 
 if __name__ == "__main__":
-    print(json.dumps(_interpreted_errors()))
+    print(json.dumps(_kernel_errors("cpu", INTERPRETED)))

@@ -25,13 +25,17 @@ import torch.nn.functional as F
 
 class GradLink:
     """Carries ``dh`` (the gradient of the A GEMM's output) and ``A`` from :class:`LowRankDown`'s
-    backward to :class:`IntoBaseGrad`'s, one per forward of an adapted linear."""
+    backward to :class:`IntoBaseGrad`'s, one per forward of an adapted linear. A ``deferred`` link
+    goes to the function that produced the linear's input instead (an MLP's SwiGLU,
+    :class:`~twinkle_specs.lora.swiglu.SwigluLora`), which adds ``dh @ A`` to the input gradient
+    inside its own kernel and computes ``A``'s gradient there too."""
 
-    __slots__ = ("dh", "a")
+    __slots__ = ("dh", "a", "deferred")
 
-    def __init__(self) -> None:
+    def __init__(self, deferred: bool = False) -> None:
         self.dh: torch.Tensor | None = None
         self.a: torch.Tensor | None = None
+        self.deferred = deferred
 
 
 class IntoBaseGrad(torch.autograd.Function):
@@ -68,7 +72,9 @@ class LowRankDown(torch.autograd.Function):
 
     With a recipe (``source``, ``fn``: ``fn(source)`` reproduces ``x`` bit for bit) it keeps ``source``,
     which the base keeps anyway, instead of ``x`` and recomputes ``x`` in backward. With a ``link`` it
-    returns no input gradient and leaves ``dh`` and ``a`` on the link for :class:`IntoBaseGrad`.
+    returns no input gradient and leaves ``dh`` and ``a`` on the link for :class:`IntoBaseGrad`; with
+    a deferred one it keeps nothing and returns no gradient at all (``a``'s comes from the link's
+    consumer).
     """
 
     @staticmethod
@@ -81,11 +87,17 @@ class LowRankDown(torch.autograd.Function):
         fn: Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> torch.Tensor:
         ctx.link, ctx.fn = link, fn
-        ctx.save_for_backward(x if fn is None else source, a)
+        if link is not None and link.deferred:
+            ctx.save_for_backward()
+        else:
+            ctx.save_for_backward(x if fn is None else source, a)
         return F.linear(x, a)
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
+        if ctx.link is not None and ctx.link.deferred:
+            ctx.link.dh = dh
+            return None, None, None, None, None
         saved, a = ctx.saved_tensors
         dh2 = dh.reshape(-1, dh.shape[-1])
         dx = da = None

@@ -196,13 +196,18 @@ class LoraLayerMixin:
     # -- forward ---------------------------------------------------------------------------------
 
     def lora_hidden(
-        self, x: torch.Tensor, recipe: tuple | None = None, link: GradLink | None = None
+        self,
+        x: torch.Tensor,
+        recipe: tuple | None = None,
+        link: GradLink | None = None,
+        a: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``scaling * A(dropout(x))`` of all slots after the TP communication, [..., sum(r)].
 
         In training without dropout the A GEMM (:class:`~twinkle_specs.lora.functions.LowRankDown`)
         keeps, given ``recipe = (source, fn)`` with ``x == fn(source)``, ``source`` rather than ``x``
-        (see :mod:`.recompute`), and, given a ``link``, hands its input gradient to the base's.
+        (see :mod:`.recompute`), and, given a ``link``, hands its input gradient to the base's (or to
+        whoever holds a deferred link). ``a``: this forward's ``lora_A`` where the caller already took it.
         """
         dropout = _dropout_active(self.lora_dropout)
         if len(self.lora_slots) > 1 and dropout:
@@ -213,7 +218,7 @@ class LoraLayerMixin:
             h = F.linear(self.lora_dropout(x), self.lora_param("A"))
         else:
             source, fn = recipe if recipe is not None and recompute_allowed() else (None, None)
-            h = LowRankDown.apply(x, self.lora_param("A"), link, source, fn)
+            h = LowRankDown.apply(x, self.lora_param("A") if a is None else a, link, source, fn)
         return self._lora_comm(self._lora_scale(h))
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -672,17 +677,32 @@ class LoraLinearMixin(LoraLayerMixin):
         out, bias, h = self.lora_base_and_hidden(input_, *args, **kwargs)
         return self._lora_add(out, h), bias
 
-    def lora_base_and_hidden(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
+    def lora_base_and_hidden(
+        self,
+        input_: torch.Tensor,
+        *args: Any,
+        lora_link: GradLink | None = None,
+        lora_a: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple:
         """The base's ``(out, bias)`` and the adapter's ``h`` (:meth:`lora_hidden`), not yet added: for a
-        consumer that applies ``h @ Bᵀ`` itself (:class:`~twinkle_specs.lora.mlp.LoraMLP`)."""
+        consumer that applies ``h @ Bᵀ`` itself (:class:`~twinkle_specs.lora.mlp.LoraMLP`). A caller
+        that takes over this linear's input gradient passes its deferred ``lora_link`` and the
+        ``lora_a`` it uses."""
         recipe = self.lora_input_recipe.take(input_) if self.lora_input_recipe else None
-        # In training without dropout the base and the A GEMM share one input gradient: the adapter's
-        # is added into the base's dgrad in place (functions.IntoBaseGrad), not summed by autograd.
-        wants = torch.is_grad_enabled() and input_.requires_grad and not _dropout_active(self.lora_dropout)
-        link = GradLink() if wants else None
-        x = IntoBaseGrad.apply(input_, link) if link else input_
+        link, x = lora_link, input_
+        if link is None and self.lora_links_grad(input_):
+            # The base and the A GEMM share one input gradient: the adapter's is added into the base's
+            # dgrad in place (functions.IntoBaseGrad), not summed by autograd.
+            link = GradLink()
+            x = IntoBaseGrad.apply(input_, link)
         out, bias = super().forward(x, *args, **kwargs)
-        return out, bias, self.lora_hidden(x, recipe, link)
+        return out, bias, self.lora_hidden(x, recipe, link, lora_a)
+
+    def lora_links_grad(self, input_: torch.Tensor) -> bool:
+        """Whether this forward's adapter input gradient can be handed over (training without
+        dropout, an input that needs a gradient)."""
+        return torch.is_grad_enabled() and input_.requires_grad and not _dropout_active(self.lora_dropout)
 
 
 class LoraColumnParallelLinear(LoraLinearMixin, ColumnParallelLinear):

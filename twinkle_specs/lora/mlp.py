@@ -1,11 +1,11 @@
-"""megatron-core's MLP with its ``linear_fc1`` adapter applied inside SwiGLU.
+"""megatron-core's MLP with the adapters of its ``linear_fc1`` and ``linear_fc2`` folded into SwiGLU.
 
 An adapted fc1 would add its delta ``h @ Bᵀ`` to its [tokens, 2·ffn] output in place (a read and a
-write of that whole tensor) just before SwiGLU reads it again. Where megatron runs its fused SwiGLU
-(``bias_activation_fusion``, plain SwiGLU, no bias or per-token scale), :class:`LoraMLP` hands fc1's base
-output, ``h`` and ``B`` to :func:`~twinkle_specs.lora.swiglu.swiglu_lora` instead, which adds the delta
-tile by tile on the way into SwiGLU (on the Qwen3-8B shape at 4096 tokens the in-place add took 206 us
-per layer on an H100, bench/results/2026-11-23-h100-s8). Anything else runs megatron's own forward.
+write of that whole tensor) just before SwiGLU reads it again, and in backward SwiGLU's gradient, fc1's
+B gradient, fc2's recomputed input, fc2's A gradient and fc2's input-gradient sum each pass over an
+FFN-size tensor. Where megatron runs its fused SwiGLU (``bias_activation_fusion``, plain SwiGLU, no bias
+or per-token scale), :class:`LoraMLP` does all of that in :func:`~twinkle_specs.lora.swiglu.swiglu_lora`'s
+two kernels (bench/results/2026-11-23-h100-s8 measures it). Anything else runs megatron's own forward.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.mlp import MLP
 
+from .functions import GradLink
 from .layers import LoraLayerMixin
 from .model import swiglu_fn
 from .swiglu import swiglu_lora, swiglu_lora_forward
@@ -41,10 +42,16 @@ class LoraMLP(MLP):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         pre, _, h = fc1.lora_base_and_hidden(hidden_states)  # no bias: plain SwiGLU needs none
         b = fc1.lora_B_fused()
+        adapted = isinstance(fc2, LoraLayerMixin) and fc2.lora_active()
+        if adapted and fc2.lora_links_grad(pre):
+            # fc2's A gradient and its input-gradient share are computed in SwiGLU's backward kernel
+            link, a2 = GradLink(deferred=True), fc2.lora_param("A")
+            act = swiglu_lora(pre, h, b, a2, link)
+            out, bias, h2 = fc2.lora_base_and_hidden(act, lora_link=link, lora_a=a2)
+            return fc2._lora_add(out, h2), bias
         act = swiglu_lora(pre, h, b)
-        if isinstance(fc2, LoraLayerMixin) and fc2.lora_input_recipe:
+        if adapted and fc2.lora_input_recipe:
             # fc2's adapter recomputes its input with the very function that made it
-            fc2.lora_input_recipe.hand(
-                pre, functools.partial(swiglu_lora_forward, h=h.detach(), b=b.detach())
-            )
+            fn = functools.partial(swiglu_lora_forward, h=h.detach(), b=b.detach())
+            fc2.lora_input_recipe.hand(pre, fn)
         return fc2(act)

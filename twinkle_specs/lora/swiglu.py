@@ -1,20 +1,33 @@
-"""SwiGLU over fc1's frozen output plus its LoRA delta, ``swiglu(pre + h @ b.T)``, in one kernel.
+"""An adapted MLP's SwiGLU with the adapters of fc1 and fc2 folded into its kernels.
 
-Adding the low-rank delta to fc1's output in place (a cuBLAS beta=1 GEMM) reads and writes the whole
-[T, 2F] pre-activation only for SwiGLU to read it again (206 us per layer at T=4096, F=12288 on an
-H100, twice SwiGLU's own ~100 us). Here each tile of the pre-activation gets its delta from the small ``h`` and
-``b`` tiles (``tl.dot``, fp32 accumulate) on the way into SwiGLU, so the sum is never stored.
+Forward: ``swiglu(pre + h @ b.T)`` for fc1's frozen output ``pre`` and its LoRA delta ``h @ b.T``. Adding
+the delta to fc1's output in place (a cuBLAS beta=1 GEMM) reads and writes the whole [T, 2F]
+pre-activation only for SwiGLU to read it again (206 us per layer at T=4096, F=12288 on an H100, twice
+SwiGLU's own time); here each tile gets its delta from the small ``h`` and ``b`` tiles on the way in.
 
-Rounding follows the unfused path: the delta is accumulated in fp32, added to ``pre`` in fp32 and the
-sum rounded once to the activation dtype (as cuBLAS's beta=1 epilogue does); SwiGLU and its gradient
-(megatron-core's ``swiglu_back``) are computed in fp32 from that rounded sum and rounded once.
-Backward saves ``pre``, ``h`` and ``b``, not the sum, and recomputes it.
+Backward, one pass over the [T, 2F] pre-activation for what the unfused path does in five (on the
+same shape: SwiGLU's backward, fc1's B gradient, fc2's input recompute, fc2's A gradient and fc2's
+input-gradient sum): each program owns a block of F columns and walks the tokens, so it recomputes the
+pre-activation, adds fc2's adapter input gradient ``dh2 @ a2`` to ``dout`` tile by tile (fc2's
+:class:`~twinkle_specs.lora.functions.LowRankDown` defers it here through its link), writes
+SwiGLU's gradient, and accumulates ``b``'s gradient (``dy.T @ h``) and ``a2``'s (``dh2.T @ act``) in
+registers: no atomics, the same result every run.
+
+Rounding follows the unfused path: the delta is accumulated in fp32, added in fp32 and the sum rounded
+once to the activation dtype (as cuBLAS's beta=1 epilogue does), likewise fc2's input gradient; SwiGLU
+and its gradient (megatron-core's ``swiglu_back``) are computed in fp32 from the rounded values and
+rounded once. Backward saves ``pre``, ``h``, ``b`` (and ``a2``), not the sum, and recomputes it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:  # no runtime import: tests load this file on its own, without its package
+    from .functions import GradLink
 
 try:
     import triton
@@ -22,8 +35,10 @@ try:
 except ImportError:  # the torch path serves CPU tensors and machines without Triton
     triton = None
 
-# One fixed launch configuration: autotuning would have to finish before CUDA-graph capture.
-BLOCK_T, BLOCK_F, NUM_WARPS = 64, 128, 8
+# Fixed launch configurations (autotuning would have to finish before CUDA-graph capture):
+# forward (token block, F block, warps), backward (token block, F block, warps).
+FWD_BLOCKS = (64, 128, 8)
+BWD_BLOCKS = (32, 64, 4)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -51,130 +66,171 @@ def _swiglu_back_ref(dout: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _dot_bt(a, b, DOT_F32: tl.constexpr):
-        """``a @ b.T`` in fp32. DOT_F32 (CPU tensors, i.e. the Triton interpreter, whose 3.6 ``tl.dot``
+    def _dot(a, b, DOT_F32: tl.constexpr):
+        """``a @ b`` in fp32. DOT_F32 (CPU tensors, i.e. the Triton interpreter, whose 3.6 ``tl.dot``
         multiplies bf16 bit patterns as integers) upcasts first: exact products, same sums."""
         if DOT_F32:
-            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
-            acc = tl.dot(a, tl.trans(b))
+            acc = tl.dot(a, b)
         return acc
 
     @triton.jit
-    def _preact_tile(
-        pre_ptr, h_ptr, b_ptr, t, f, T, F, R, s_pre, s_h, s_b, BR: tl.constexpr, DOT_F32: tl.constexpr
-    ):
-        """The (t, f) tiles of gate and up of ``pre + h @ b.T``, rounded to pre's dtype, as fp32."""
-        r = tl.arange(0, BR)
-        tm, fm, rm = t < T, f < F, r < R
-        rows = t.to(tl.int64)[:, None]
-        hh = tl.load(h_ptr + rows * s_h + r[None, :], mask=tm[:, None] & rm[None, :], other=0.0)
-        bm = fm[:, None] & rm[None, :]
-        bg = tl.load(b_ptr + f[:, None] * s_b + r[None, :], mask=bm, other=0.0)
-        bu = tl.load(b_ptr + (f + F)[:, None] * s_b + r[None, :], mask=bm, other=0.0)
-        m = tm[:, None] & fm[None, :]
-        p = pre_ptr + rows * s_pre + f[None, :]
-        dtype = pre_ptr.dtype.element_ty
-        y1 = tl.load(p, mask=m, other=0.0).to(tl.float32) + _dot_bt(hh, bg, DOT_F32)
-        y2 = tl.load(p + F, mask=m, other=0.0).to(tl.float32) + _dot_bt(hh, bu, DOT_F32)
+    def _preact(p, m, hh, bg, bu, F, dtype: tl.constexpr, DOT_F32: tl.constexpr):
+        """Gate and up tiles of ``pre + h @ b.T`` at ``p`` (the gate tile's pointers), rounded to
+        ``dtype``, as fp32; ``bg``/``bu`` are the tile's rows of ``b``, transposed ([R, F block])."""
+        y1 = tl.load(p, mask=m, other=0.0).to(tl.float32) + _dot(hh, bg, DOT_F32)
+        y2 = tl.load(p + F, mask=m, other=0.0).to(tl.float32) + _dot(hh, bu, DOT_F32)
         return y1.to(dtype).to(tl.float32), y2.to(dtype).to(tl.float32)
 
     @triton.jit
     def _fwd_kernel(
-        pre_ptr,
-        h_ptr,
-        b_ptr,
-        out_ptr,
-        T,
-        F,
-        R,
-        s_pre,
-        s_h,
-        s_b,
-        s_out,
-        BT: tl.constexpr,
-        BF: tl.constexpr,
-        BR: tl.constexpr,
-        DOT_F32: tl.constexpr,
-    ):
+        pre_ptr, h_ptr, b_ptr, out_ptr, T, F, R, s_pre, s_h, s_b, s_out,
+        BT: tl.constexpr, BF: tl.constexpr, BR: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         f = tl.program_id(1) * BF + tl.arange(0, BF)
-        y1, y2 = _preact_tile(pre_ptr, h_ptr, b_ptr, t, f, T, F, R, s_pre, s_h, s_b, BR, DOT_F32)
+        r = tl.arange(0, BR)
+        tm, fm, rm = t < T, f < F, r < R
+        rows = t.to(tl.int64)[:, None]
+        hh = tl.load(h_ptr + rows * s_h + r[None, :], mask=tm[:, None] & rm[None, :], other=0.0)
+        bm = rm[:, None] & fm[None, :]
+        bg = tl.load(b_ptr + f[None, :] * s_b + r[:, None], mask=bm, other=0.0)
+        bu = tl.load(b_ptr + (f + F)[None, :] * s_b + r[:, None], mask=bm, other=0.0)
+        m = tm[:, None] & fm[None, :]
+        dtype = out_ptr.dtype.element_ty
+        y1, y2 = _preact(pre_ptr + rows * s_pre + f[None, :], m, hh, bg, bu, F, dtype, DOT_F32)
         out = y1 * tl.sigmoid(y1) * y2
-        m = (t < T)[:, None] & (f < F)[None, :]
-        tl.store(
-            out_ptr + t.to(tl.int64)[:, None] * s_out + f[None, :], out.to(out_ptr.dtype.element_ty), mask=m
-        )
+        tl.store(out_ptr + rows * s_out + f[None, :], out.to(dtype), mask=m)
 
     @triton.jit
     def _bwd_kernel(
-        pre_ptr,
-        h_ptr,
-        b_ptr,
-        dout_ptr,
-        dy_ptr,
-        T,
-        F,
-        R,
-        s_pre,
-        s_h,
-        s_b,
-        s_dout,
-        s_dy,
-        BT: tl.constexpr,
-        BF: tl.constexpr,
-        BR: tl.constexpr,
-        DOT_F32: tl.constexpr,
-    ):
-        t = tl.program_id(0) * BT + tl.arange(0, BT)
-        f = tl.program_id(1) * BF + tl.arange(0, BF)
-        y1, y2 = _preact_tile(pre_ptr, h_ptr, b_ptr, t, f, T, F, R, s_pre, s_h, s_b, BR, DOT_F32)
-        m = (t < T)[:, None] & (f < F)[None, :]
-        rows = t.to(tl.int64)[:, None]
-        g = tl.load(dout_ptr + rows * s_dout + f[None, :], mask=m, other=0.0).to(tl.float32)
-        s = tl.sigmoid(y1)
+        pre_ptr, h_ptr, b_ptr, dout_ptr, dh2_ptr, a2_ptr, dy_ptr, db_ptr, da2_ptr,
+        T, F, R, R2, s_pre, s_h, s_b, s_dout, s_dh2, s_a2, s_dy, TCH: tl.constexpr,
+        BT: tl.constexpr, BF: tl.constexpr, BR: tl.constexpr, BR2: tl.constexpr,
+        HAS_FC2: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """Program (F block, token chunk): SwiGLU's gradient ``dy`` over the chunk, and the chunk's
+        partial sums of ``dy.T @ h`` (into ``db`` [chunks, 2F, BR]) and ``dh2.T @ act`` (into ``da2``
+        [chunks, BR2, F]), all in registers until the end. The chunk length ``TCH`` is a compile-time
+        constant (one compilation per token count, which is fixed in training): the Triton 3.6
+        interpreter runs no loop with a bound given at run time."""
+        f = tl.program_id(0) * BF + tl.arange(0, BF)
+        chunk = tl.program_id(1)
+        r = tl.arange(0, BR)
+        fm, rm = f < F, r < R
+        bm = rm[:, None] & fm[None, :]
+        bg = tl.load(b_ptr + f[None, :] * s_b + r[:, None], mask=bm, other=0.0)  # [BR, BF]
+        bu = tl.load(b_ptr + (f + F)[None, :] * s_b + r[:, None], mask=bm, other=0.0)
+        acc_bg = tl.zeros([BF, BR], dtype=tl.float32)
+        acc_bu = tl.zeros([BF, BR], dtype=tl.float32)
+        r2 = tl.arange(0, BR2)
+        if HAS_FC2:
+            a2 = tl.load(
+                a2_ptr + r2[:, None] * s_a2 + f[None, :], mask=(r2 < R2)[:, None] & fm[None, :], other=0.0
+            )
+            acc_a2 = tl.zeros([BR2, BF], dtype=tl.float32)
         dtype = dy_ptr.dtype.element_ty
-        p = dy_ptr + rows * s_dy + f[None, :]
-        tl.store(p, (g * s * (1 + y1 * (1 - s)) * y2).to(dtype), mask=m)
-        tl.store(p + F, (g * y1 * s).to(dtype), mask=m)
+        start = chunk * TCH
+        for t0 in range(0, TCH, BT):
+            t = start + t0 + tl.arange(0, BT)
+            tm = (t < T) & (t < start + TCH)
+            rows = t.to(tl.int64)[:, None]
+            m = tm[:, None] & fm[None, :]
+            hh = tl.load(h_ptr + rows * s_h + r[None, :], mask=tm[:, None] & rm[None, :], other=0.0)
+            y1, y2 = _preact(pre_ptr + rows * s_pre + f[None, :], m, hh, bg, bu, F, dtype, DOT_F32)
+            s = tl.sigmoid(y1)
+            g = tl.load(dout_ptr + rows * s_dout + f[None, :], mask=m, other=0.0).to(tl.float32)
+            if HAS_FC2:
+                d2m = tm[:, None] & (r2 < R2)[None, :]
+                d2 = tl.load(dh2_ptr + rows * s_dh2 + r2[None, :], mask=d2m, other=0.0)  # [BT, BR2]
+                g = (g + _dot(d2, a2, DOT_F32)).to(dtype).to(tl.float32)  # fc2's input gradient, summed
+                act = (y1 * s * y2).to(dtype)  # fc2's input, as the forward made it
+                acc_a2 += _dot(tl.trans(d2), act, DOT_F32)
+            dyg = (g * s * (1 + y1 * (1 - s)) * y2).to(dtype)
+            dyu = (g * y1 * s).to(dtype)
+            p = dy_ptr + rows * s_dy + f[None, :]
+            tl.store(p, dyg, mask=m)
+            tl.store(p + F, dyu, mask=m)
+            acc_bg += _dot(tl.trans(dyg), hh, DOT_F32)
+            acc_bu += _dot(tl.trans(dyu), hh, DOT_F32)
+        part = db_ptr + chunk.to(tl.int64) * 2 * F * BR
+        dbm = fm[:, None] & (r < BR)[None, :]
+        tl.store(part + f[:, None] * BR + r[None, :], acc_bg, mask=dbm)
+        tl.store(part + (f + F)[:, None] * BR + r[None, :], acc_bu, mask=dbm)
+        if HAS_FC2:
+            part2 = da2_ptr + chunk.to(tl.int64) * BR2 * F
+            tl.store(part2 + r2[:, None] * F + f[None, :], acc_a2, mask=(r2 < BR2)[:, None] & fm[None, :])
 
 
-def _use_triton(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> bool:
+def _use_triton(*tensors: torch.Tensor | None) -> bool:
+    pre = tensors[0]
     return (
         triton is not None
         and pre.is_cuda
         and pre.dtype in (torch.bfloat16, torch.float16)
-        and all(x.stride(-1) == 1 for x in (pre, h, b))
+        and all(x.stride(-1) == 1 for x in tensors if x is not None)
     )
 
 
-def _launch(kernel, pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor, *extra: torch.Tensor) -> None:
-    """Runs ``kernel`` over [T, 2F] ``pre`` with its [T, n] tensor arguments ``extra`` (row strides passed)."""
-    T, F2 = pre.shape
-    R = h.shape[1]
-    grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(F2 // 2, BLOCK_F))
-    kernel[grid](
-        pre, h, b, *extra, T, F2 // 2, R, *(x.stride(0) for x in (pre, h, b, *extra)),
-        BT=BLOCK_T, BF=BLOCK_F, BR=max(16, triton.next_power_of_2(R)), DOT_F32=not pre.is_cuda,
-        num_warps=NUM_WARPS,
-    )  # fmt: skip
+def _rank_block(r: int) -> int:
+    return max(16, triton.next_power_of_2(r))
 
 
 def _triton_forward(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     pre2, h2 = _flat(pre), _flat(h)
-    out = pre.new_empty(pre2.shape[0], pre2.shape[1] // 2)
-    _launch(_fwd_kernel, pre2, h2, b, out)
+    (T, f2), R = pre2.shape, h2.shape[1]
+    out = pre.new_empty(T, f2 // 2)
+    bt, bf, warps = FWD_BLOCKS
+    _fwd_kernel[(triton.cdiv(T, bt), triton.cdiv(f2 // 2, bf))](
+        pre2, h2, b, out, T, f2 // 2, R, pre2.stride(0), h2.stride(0), b.stride(0), out.stride(0),
+        BT=bt, BF=bf, BR=_rank_block(R), DOT_F32=not pre.is_cuda, num_warps=warps,
+    )  # fmt: skip
     return out.view(*pre.shape[:-1], -1)
 
 
-def _triton_swiglu_back(
-    dout: torch.Tensor, pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor
-) -> torch.Tensor:
-    """d(pre) = d(pre + h @ b.T) as [T, 2F]."""
-    pre2 = _flat(pre)
+def _triton_backward(dout, pre, h, b, dh2, a2) -> tuple:
+    """``(dy [T, 2F], b's gradient, a2's gradient or None)``: SwiGLU's gradient for fc1's output
+    (fc2's deferred input gradient ``dh2 @ a2`` included) and the two factor gradients, in one kernel
+    plus a sum over the token chunks' partial factor gradients."""
+    pre2, h2, g2 = _flat(pre), _flat(h), _flat(dout.contiguous())
+    (T, f2), R = pre2.shape, h2.shape[1]
+    ffn = f2 // 2
+    bt, bf, warps = BWD_BLOCKS
+    fc2 = dh2 is not None
+    d2 = _flat(dh2) if fc2 else h2
+    a = a2 if fc2 else b
+    br, br2 = _rank_block(R), _rank_block(a.shape[0] if fc2 else 16)
+    blocks = triton.cdiv(ffn, bf)
+    # token chunks: enough programs to fill the GPU twice over (the interpreter: a few), each chunk a
+    # whole number of token blocks
+    sms = torch.cuda.get_device_properties(pre.device).multi_processor_count if pre.is_cuda else 2
+    chunks = max(1, min(triton.cdiv(T, bt), triton.cdiv(2 * sms, blocks)))
+    tch = triton.cdiv(triton.cdiv(T, chunks), bt) * bt
+    chunks = triton.cdiv(T, tch)
     dy = torch.empty_like(pre2, memory_format=torch.contiguous_format)
-    _launch(_bwd_kernel, pre2, _flat(h), b, _flat(dout.contiguous()), dy)
-    return dy
+    db = torch.empty(chunks, f2, br, device=pre.device, dtype=torch.float32)
+    da2 = torch.empty(chunks, br2, ffn, device=pre.device, dtype=torch.float32) if fc2 else db
+    _bwd_kernel[(blocks, chunks)](
+        pre2, h2, b, g2, d2, a, dy, db, da2, T, ffn, R, a.shape[0] if fc2 else 0,
+        pre2.stride(0), h2.stride(0), b.stride(0), g2.stride(0), d2.stride(0), a.stride(0), dy.stride(0),
+        TCH=tch, BT=bt, BF=bf, BR=br, BR2=br2, HAS_FC2=fc2, DOT_F32=not pre.is_cuda, num_warps=warps,
+    )  # fmt: skip
+    d_b = db.sum(0)[:, :R].to(b.dtype)
+    d_a2 = da2.sum(0)[: a2.shape[0]].to(a2.dtype) if fc2 else None
+    return dy, d_b, d_a2
+
+
+def _reference_backward(dout, pre, h, b, dh2, a2) -> tuple:
+    """The same as :func:`_triton_backward` with torch ops (materialising the sums)."""
+    y = _preact_ref(pre, h, b)
+    g = _flat(dout)
+    d_a2 = None
+    if dh2 is not None:
+        g = torch.addmm(g.float(), _flat(dh2).float(), a2.float()).to(g.dtype)
+        d_a2 = (_flat(dh2).t() @ _swiglu_ref(y)).to(a2.dtype)
+    dy = _swiglu_back_ref(g, y)
+    return dy, dy.t() @ _flat(h), d_a2
 
 
 def _check(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> None:
@@ -197,28 +253,41 @@ def swiglu_lora_forward(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> 
 
 
 class SwigluLora(torch.autograd.Function):
-    """``swiglu(pre + h @ b.T)``; saves the inputs (not the [T, 2F] sum) and recomputes the sum."""
+    """``swiglu(pre + h @ b.T)``; saves the inputs (not the [T, 2F] sum) and recomputes the sum. With
+    ``a2`` and a deferred ``link`` from fc2's A GEMM, its backward also adds fc2's adapter input
+    gradient ``dh2 @ a2`` and returns ``a2``'s gradient ``dh2.T @ out``."""
 
     @staticmethod
-    def forward(ctx, pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(pre, h, b)
+    def forward(ctx, pre, h, b, a2, link):
+        ctx.save_for_backward(pre, h, b, a2)
+        ctx.link = link
         return swiglu_lora_forward(pre, h, b)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        pre, h, b = ctx.saved_tensors
-        if _use_triton(pre, h, b):
-            dy = _triton_swiglu_back(dout, pre, h, b)
-        else:
-            dy = _swiglu_back_ref(_flat(dout), _preact_ref(pre, h, b))
-        d_pre, d_h, d_b = ctx.needs_input_grad
+        pre, h, b, a2 = ctx.saved_tensors
+        link, dh2 = ctx.link, None
+        if link is not None:
+            dh2, link.dh, link.a = link.dh, None, None
+        backward = _triton_backward if _use_triton(pre, h, b, dh2, a2) else _reference_backward
+        dy, d_b, d_a2 = backward(dout, pre, h, b, dh2, a2 if dh2 is not None else None)
+        need = ctx.needs_input_grad
         return (
-            dy.view(pre.shape) if d_pre else None,
-            (dy @ b).view(h.shape) if d_h else None,
-            dy.t() @ _flat(h) if d_b else None,
+            dy.view(pre.shape) if need[0] else None,
+            (dy @ b).view(h.shape) if need[1] else None,
+            d_b if need[2] else None,
+            d_a2 if need[3] else None,
+            None,
         )
 
 
-def swiglu_lora(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``swiglu(pre + h @ b.T)`` for pre [..., 2F] (gate | up), h [..., R], b [2F, R], one dtype."""
-    return SwigluLora.apply(pre, h, b)
+def swiglu_lora(
+    pre: torch.Tensor,
+    h: torch.Tensor,
+    b: torch.Tensor,
+    a2: torch.Tensor | None = None,
+    link: GradLink | None = None,
+) -> torch.Tensor:
+    """``swiglu(pre + h @ b.T)`` for pre [..., 2F] (gate | up), h [..., R], b [2F, R], one dtype; ``a2``
+    [R2, F] and ``link``: fc2's A and the deferred link of its A GEMM (see the module docstring)."""
+    return SwigluLora.apply(pre, h, b, a2, link)
