@@ -10,7 +10,7 @@ given, as JSON lines.
 - fused_bwd: the op's backward kernel + ``dy @ b`` (everything above)
 
     PYTHONPATH=. python bench/swiglu_lora.py [--tokens 4096 --ffn 12288 --rank 32 --rank2 16 --iters 50]
-        [--fwd 64,128,8 --fwd ...] [--bwd 32,64,4 --bwd ...]
+        [--fwd 64,128,8 --fwd ...] [--bwd 32,64,4,3,2 --bwd ...]
 
 Errors of the kernels against the reference path are tests/test_lora_swiglu.py's (gpu-marked).
 """
@@ -48,9 +48,8 @@ def graph_ms(fn: Callable[[], object], iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def _blocks(text: str) -> tuple[int, int, int]:
-    bt, bf, warps = (int(v) for v in text.split(","))
-    return bt, bf, warps
+def _blocks(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
 
 
 def main() -> None:
@@ -61,7 +60,9 @@ def main() -> None:
     ap.add_argument("--rank2", type=int, default=16, help="fc2's rank")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--fwd", type=_blocks, action="append", help="token block, F block, warps (repeatable)")
-    ap.add_argument("--bwd", type=_blocks, action="append", help="token block, F block, warps (repeatable)")
+    ap.add_argument(
+        "--bwd", type=_blocks, action="append", help="token block, F block, warps, stages, waves (repeatable)"
+    )
     args = ap.parse_args()
     T, F, R, R2, dt = args.tokens, args.ffn, args.rank, args.rank2, torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(0)

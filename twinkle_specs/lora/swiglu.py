@@ -35,10 +35,11 @@ try:
 except ImportError:  # the torch path serves CPU tensors and machines without Triton
     triton = None
 
-# Fixed launch configurations (autotuning would have to finish before CUDA-graph capture):
-# forward (token block, F block, warps), backward (token block, F block, warps).
+# Fixed launch configurations (autotuning would have to finish before CUDA-graph capture), swept on an
+# H100 at the Qwen3-8B shape (bench/swiglu_lora.py): forward (token block, F block, warps); backward
+# (token block, F block, warps, pipeline stages, programs per SM that the token chunks aim for).
 FWD_BLOCKS = (64, 128, 8)
-BWD_BLOCKS = (32, 64, 4)
+BWD_BLOCKS = (32, 64, 4, 3, 2)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -196,16 +197,15 @@ def _triton_backward(dout, pre, h, b, dh2, a2) -> tuple:
     pre2, h2, g2 = _flat(pre), _flat(h), _flat(dout.contiguous())
     (T, f2), R = pre2.shape, h2.shape[1]
     ffn = f2 // 2
-    bt, bf, warps = BWD_BLOCKS
+    bt, bf, warps, stages, waves = BWD_BLOCKS
     fc2 = dh2 is not None
     d2 = _flat(dh2) if fc2 else h2
     a = a2 if fc2 else b
     br, br2 = _rank_block(R), _rank_block(a.shape[0] if fc2 else 16)
     blocks = triton.cdiv(ffn, bf)
-    # token chunks: enough programs to fill the GPU twice over (the interpreter: a few), each chunk a
-    # whole number of token blocks
+    # token chunks: ``waves`` programs per SM (the interpreter: a few), each chunk whole token blocks
     sms = torch.cuda.get_device_properties(pre.device).multi_processor_count if pre.is_cuda else 2
-    chunks = max(1, min(triton.cdiv(T, bt), triton.cdiv(2 * sms, blocks)))
+    chunks = max(1, min(triton.cdiv(T, bt), triton.cdiv(waves * sms, blocks)))
     tch = triton.cdiv(triton.cdiv(T, chunks), bt) * bt
     chunks = triton.cdiv(T, tch)
     dy = torch.empty_like(pre2, memory_format=torch.contiguous_format)
@@ -215,6 +215,7 @@ def _triton_backward(dout, pre, h, b, dh2, a2) -> tuple:
         pre2, h2, b, g2, d2, a, dy, db, da2, T, ffn, R, a.shape[0] if fc2 else 0,
         pre2.stride(0), h2.stride(0), b.stride(0), g2.stride(0), d2.stride(0), a.stride(0), dy.stride(0),
         TCH=tch, BT=bt, BF=bf, BR=br, BR2=br2, HAS_FC2=fc2, DOT_F32=not pre.is_cuda, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     d_b = db.sum(0)[:, :R].to(b.dtype)
     d_a2 = da2.sum(0)[: a2.shape[0]].to(a2.dtype) if fc2 else None
