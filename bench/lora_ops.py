@@ -6,9 +6,8 @@ of one forward and one backward of
 
 * ``layer``: one Qwen3-1.7B-shaped decoder layer (portable path: h 2048, 16/8 heads x 128, ffn 6144),
   LoRA r=16 all-linear, with the per-slot reference (``LoraLayerMixin.lora_delta_per_slot``, what the
-  forward did before) and with the fused forward; and the same layer without adapters, all frozen
-  (the base cost both add to);
-* ``norm_input``: the TE norm-fused linear's adapter input in bf16, fp32 round trip vs input dtype;
+  forward did before) and with the layers' forward (fused slots, in-place B, input-gradient handoff,
+  bank pieces); and the same layer without adapters, all frozen (the base cost both add to);
 * ``experts``: the routed-expert adapter of one grouped linear (128 experts, rank 32 as
   Qwen3-30B-A3B's all-linear ``gate_up_proj``, uneven routing with zero-token experts), per-expert
   loop vs ``torch._grouped_mm`` (torch's CPU fallback kernel here; CUTLASS on an H100).
@@ -35,7 +34,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +114,7 @@ def _layer_model(lora):
 
 def layer_counts(seq: int) -> dict:
     from twinkle_specs.lora import LoraConfig
-    from twinkle_specs.lora.layers import LoraLayerMixin
+    from twinkle_specs.lora.layers import LoraLinearMixin
     from twinkle_specs.parity import _init_single_process
 
     _init_single_process()
@@ -139,37 +137,24 @@ def layer_counts(seq: int) -> dict:
         if cfg is None:
             results["base_frozen"] = fwd_bwd(run, x)
             continue
-        current = LoraLayerMixin._lora_add
+        current = LoraLinearMixin.forward
         try:
-            LoraLayerMixin._lora_add = _per_slot_add
+            LoraLinearMixin.forward = _per_slot_forward
             results["lora_before"] = fwd_bwd(run, x, params=params)
         finally:
-            LoraLayerMixin._lora_add = current
+            LoraLinearMixin.forward = current
         results["lora_after"] = fwd_bwd(run, x, params=params)
     return results
 
 
-def _per_slot_add(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The layers' forward before the fusion: base output plus the per-slot reference delta."""
+def _per_slot_forward(self, input_: torch.Tensor, *args, **kwargs):
+    """A linear's forward before the fusion: base output plus the per-slot reference delta."""
+    from twinkle_specs.lora.layers import LoraLinearMixin
+
+    out, bias = super(LoraLinearMixin, self).forward(input_, *args, **kwargs)
     if self.lora_merged or not self.lora_slots:
-        return out
-    return out + self.lora_delta_per_slot(x).to(out.dtype)
-
-
-# -- the norm-fused linear's adapter input ------------------------------------------------------------
-
-
-def norm_input_counts() -> dict:
-    x = torch.randn(128, 1, 2048, dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.rand(2048) + 0.5).bfloat16()
-
-    def before(x):
-        return F.rms_norm(x.float(), (2048,), w.float(), 1e-6).to(x.dtype)
-
-    def after(x):
-        return F.rms_norm(x, (2048,), w, 1e-6)
-
-    return {"before": fwd_bwd(before, x), "after": fwd_bwd(after, x)}
+        return out, bias
+    return out + self.lora_delta_per_slot(input_).to(out.dtype), bias
 
 
 # -- routed experts ----------------------------------------------------------------------------------
@@ -210,7 +195,6 @@ def main() -> None:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     results = {
         "layer": layer_counts(args.seq),
-        "norm_input": norm_input_counts(),
         "experts": expert_counts(),
         "torch": torch.__version__,
     }
@@ -222,7 +206,7 @@ def main() -> None:
         "aten operators on CPU (compute: without views, allocations, metadata), one forward + backward",
         head,
     ]
-    for section in ("layer", "norm_input", "experts"):
+    for section in ("layer", "experts"):
         for name, r in results[section].items():
             lines.append(_row(f"{section}: {name}", r))
     layer = results["layer"]

@@ -122,30 +122,44 @@ def _bank_model(tmp_path):
     return model
 
 
-def _split_nodes(model) -> set:
-    """The autograd nodes the layers' factor pieces of the last forward come from."""
-    from twinkle_specs.lora.model import lora_modules
+def _bank_splits(out: torch.Tensor, model) -> set:
+    """The splits of a bank that ``out``'s autograd graph reaches (megatron's own splits left out)."""
+    from twinkle_specs.lora import adapter_parameters
 
-    nodes = set()
-    for _, _, module in lora_modules(model):
-        for which in "AB":
-            bank, index = module.lora_banked[which]
-            nodes.add(bank._pieces[index].grad_fn)
-    return nodes
+    banks = {id(p) for p in adapter_parameters(model)}
+
+    def reaches_bank(node) -> bool:
+        while node is not None and type(node).__name__ != "AccumulateGrad":
+            node = node.next_functions[0][0] if node.next_functions else None
+        return node is not None and id(node.variable) in banks
+
+    seen, stack, splits = set(), [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "SplitWithSizesBackward0" and reaches_bank(node):
+            splits.add(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return splits
 
 
 def test_bank_pieces_come_from_one_split_per_layer_and_forward(tmp_path, single_rank):  # noqa: F811
     """Every factor of a layer is a piece of one split of its bank, made anew by each forward, so the
-    bank's gradient is one concatenation (not a zero-filled bank per factor and their sums)."""
+    bank's gradient is one concatenation (not a zero-filled bank per factor and their sums); also after
+    a forward that took only some of the factors (one linear merged)."""
     model = _bank_model(tmp_path)
     toks = tokens()
     pos = torch.arange(toks.shape[1]).expand_as(toks)
-    model(toks, pos, None).float().square().mean().backward()
-    first = _split_nodes(model)
+    first = _bank_splits(model(toks, pos, None), model)
     assert len(first) == 2  # two layers, one bank each
-    assert all(type(n).__name__ == "SplitWithSizesBackward0" for n in first)
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    qkv.lora_merged = True
     model(toks, pos, None)
-    assert _split_nodes(model).isdisjoint(first)
+    qkv.lora_merged = False
+    second = _bank_splits(model(toks, pos, None), model)
+    assert len(second) == 2 and second.isdisjoint(first)
 
 
 def test_bank_pieces_follow_the_parameter_storage(tmp_path, single_rank):  # noqa: F811

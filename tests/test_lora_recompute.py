@@ -84,7 +84,7 @@ class _ViewOutput(torch.autograd.Function):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_in_place_sum_on_a_te_like_output(dtype):
-    """``_AddLowRank`` on a view made inside an autograd function (TE's output): autograd refuses
+    """``AddLowRank`` on a view made inside an autograd function (TE's output): autograd refuses
     ``addmm_`` there, the function gives addmm's output and every gradient bit for bit."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(2, 8, 16, generator=g, dtype=dtype), torch.randn(24, 16, generator=g, dtype=dtype)

@@ -270,10 +270,11 @@ class LoraLayerMixin:
         GEMM and a full-size ``scaling`` multiply, then the fused layout with zero-filled parts (what
         the forward did before the fusion; kept for tests and bench/lora_ops.py)."""
         deltas = {}
+        a, b = self.lora_param("A"), self.lora_param("B")
         for slot in self.lora_slots:
-            h = F.linear(self.lora_dropout(x), self.lora_factor("A", slot))
+            h = F.linear(self.lora_dropout(x), a[self.lora_factor_index("A", slot)])
             h = self._lora_comm(h)
-            deltas[slot] = F.linear(h, self.lora_factor("B", slot)) * self.lora_spec[slot].scaling
+            deltas[slot] = F.linear(h, b[self.lora_factor_index("B", slot)]) * self.lora_spec[slot].scaling
         return self._lora_fuse(deltas)
 
     def _lora_comm(self, h: torch.Tensor) -> torch.Tensor:
@@ -456,15 +457,20 @@ class LoraBank:
         self._made_for: tuple = ()
         self._taken: set[int] = set()
 
+    def reset(self, *_: Any) -> None:
+        """Forget this forward's pieces: a forward pre-hook of the owning layer (``_bank_layer``)."""
+        self._pieces, self._taken = (), set()
+
     def piece(self, index: int) -> torch.Tensor:
         """Member ``index``'s factor for this forward: all members' factors come from one ``split`` of
-        the bank, made when a member asks a second time (a new forward) or when the bank's storage or
-        the grad mode changed (megatron's DDP moves parameters into its buffers). The gradients then
-        reach the bank through one concatenation per layer and kind, not a zero-filled bank-size
-        tensor per member and the sums of them (on the Qwen3-8B shape 23 small kernels per layer).
+        the bank, made anew in each forward of the layer (:meth:`reset`), and also where a member asks
+        twice in one forward or the bank's storage or the grad mode changed (megatron's DDP moves
+        parameters into its buffers). The gradients then reach the bank through one concatenation per
+        layer and kind, not a zero-filled bank-size tensor per member and the sums of them (on the
+        Qwen3-8B shape 23 small kernels per layer).
         """
         made_for = (self.param.data_ptr(), torch.is_grad_enabled())
-        if index in self._taken or made_for != self._made_for:
+        if not self._pieces or index in self._taken or made_for != self._made_for:
             self._pieces = self.param.view(-1).split(self.sizes)
             self._made_for, self._taken = made_for, set()
         self._taken.add(index)
