@@ -147,9 +147,12 @@ def _bank_splits(out: torch.Tensor, model) -> set:
 
 def test_bank_pieces_come_from_one_split_per_layer_and_forward(tmp_path, single_rank):  # noqa: F811
     """Every factor of a layer is a piece of one split of its bank, made anew by each forward, so the
-    bank's gradient is one concatenation (not a zero-filled bank per factor and their sums); also after
-    a forward that took only some of the factors (one linear merged)."""
-    model = _bank_model(tmp_path)
+    bank's gradient is one concatenation (not a zero-filled bank per factor and their sums), also
+    right after a forward that took only some of the factors (one linear merged): the gradients are a
+    fresh model's."""
+    from twinkle_specs.lora import adapter_parameters
+
+    model, fresh = _bank_model(tmp_path), _bank_model(tmp_path)
     toks = tokens()
     pos = torch.arange(toks.shape[1]).expand_as(toks)
     first = _bank_splits(model(toks, pos, None), model)
@@ -158,8 +161,13 @@ def test_bank_pieces_come_from_one_split_per_layer_and_forward(tmp_path, single_
     qkv.lora_merged = True
     model(toks, pos, None)
     qkv.lora_merged = False
-    second = _bank_splits(model(toks, pos, None), model)
+    out = model(toks, pos, None)
+    second = _bank_splits(out, model)
     assert len(second) == 2 and second.isdisjoint(first)
+    out.float().square().mean().backward()
+    fresh(toks, pos, None).float().square().mean().backward()
+    params = list(zip(adapter_parameters(model), adapter_parameters(fresh), strict=True))
+    assert all(torch.equal(p.grad, q.grad) for p, q in params)
 
 
 def test_bank_pieces_follow_the_parameter_storage(tmp_path, single_rank):  # noqa: F811

@@ -455,25 +455,27 @@ class LoraBank:
         self.offsets = list(itertools.accumulate(self.sizes, initial=0))[:-1]
         self._pieces: tuple[torch.Tensor, ...] = ()
         self._made_for: tuple = ()
-        self._taken: set[int] = set()
-
-    def reset(self, *_: Any) -> None:
-        """Forget this forward's pieces: a forward pre-hook of the owning layer (``_bank_layer``)."""
-        self._pieces, self._taken = (), set()
+        # each member's place in a layer's forward (the bank keeps module order, which megatron's
+        # attention registers proj first); the place of the member that took a piece last
+        order = sorted(range(len(members)), key=lambda i: (_forward_place(members[i][1]), members[i][2]))
+        self.forward_place = [order.index(i) for i in range(len(members))]
+        self._last = -1
 
     def piece(self, index: int) -> torch.Tensor:
         """Member ``index``'s factor for this forward: all members' factors come from one ``split`` of
-        the bank, made anew in each forward of the layer (:meth:`reset`), and also where a member asks
-        twice in one forward or the bank's storage or the grad mode changed (megatron's DDP moves
-        parameters into its buffers). The gradients then reach the bank through one concatenation per
-        layer and kind, not a zero-filled bank-size tensor per member and the sums of them (on the
-        Qwen3-8B shape 23 small kernels per layer).
+        the bank, made anew when a forward starts (a member at or before the last one taken in forward
+        order, ``forward_place``: A before B, QKV, proj, router, fc1, fc2) or when the bank's storage
+        or the grad mode changed (megatron's DDP moves parameters into its buffers). The gradients
+        then reach the bank through one concatenation per layer and kind, not a zero-filled bank-size
+        tensor per member and the sums of them (on the Qwen3-8B shape 23 small kernels per layer).
+        A forward that skips members (a merged linear) still starts its own split. No forward hook
+        marks the start: Transformer Engine's CUDA graphs refuse modules with hooks.
         """
-        made_for = (self.param.data_ptr(), torch.is_grad_enabled())
-        if not self._pieces or index in self._taken or made_for != self._made_for:
+        made_for, place = (self.param.data_ptr(), torch.is_grad_enabled()), self.forward_place[index]
+        if place <= self._last or made_for != self._made_for:
             self._pieces = self.param.view(-1).split(self.sizes)
-            self._made_for, self._taken = made_for, set()
-        self._taken.add(index)
+            self._made_for = made_for
+        self._last = place
         return self._pieces[index].view(self.shapes[index])
 
     def factory_functions(self, sharded_offsets: tuple, dp_cp_group) -> tuple:
@@ -506,6 +508,15 @@ class LoraBank:
             return bank
 
         return build, merge
+
+
+_FORWARD_SITES = ("linear_qkv", "linear_proj", "router", "linear_fc1", "linear_fc2")
+
+
+def _forward_place(module: LoraLayerMixin) -> int:
+    """Where a banked linear runs in its layer's forward (attention, router, MLP or shared expert)."""
+    site = module.lora_site
+    return _FORWARD_SITES.index(site) if site in _FORWARD_SITES else len(_FORWARD_SITES)
 
 
 def _dropout_active(dropout: torch.nn.Module) -> bool:

@@ -104,7 +104,6 @@ def _bank_layer(layer: torch.nn.Module) -> None:
             module.lora_banked[which] = (lora_bank, index)
         owner.register_parameter(name, bank)
         owner.lora_banks.append(lora_bank)
-        layer.register_forward_pre_hook(lora_bank.reset)
 
 
 def swiglu_eager(pre: torch.Tensor) -> torch.Tensor:
