@@ -339,7 +339,7 @@ class LoraLayerMixin:
     @torch.no_grad()
     def merge(self) -> None:
         """Folds the adapters into the base weight in fp32; the exact base is kept for unmerge."""
-        if self.lora_merged or not self.lora_slots:
+        if not self.lora_active():
             return
         self._lora_saved = []
         for gemm, weight in self.lora_base_weights():
@@ -689,7 +689,7 @@ class LoraLinearMixin(LoraLayerMixin):
     def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.lora_active():
             if self.lora_input_recipe:
-                self.lora_input_recipe.take(input_)  # drop what the producer handed over
+                self.lora_input_recipe.drop()
             return super().forward(input_, *args, **kwargs)
         out, bias, h = self.lora_base_and_hidden(input_, *args, **kwargs)
         return self._lora_add(out, h), bias

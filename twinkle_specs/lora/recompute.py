@@ -54,6 +54,10 @@ class InputRecipe:
         so bit for bit by construction): the recipe of this one call, taken without a check."""
         self.pending = (source, fn)
 
+    def drop(self) -> None:
+        """Forgets what the producer handed over (a consumer whose adapters are merged uses none)."""
+        self.pending = None
+
     def take(self, x: torch.Tensor) -> tuple | None:
         """``(source, fn)`` with ``fn(source) == x``, or None; drops the reference either way."""
         pending, self.pending = self.pending, None

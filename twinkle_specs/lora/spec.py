@@ -44,14 +44,9 @@ def _wrap(spec: Any, site: str, sites: Sites, dropout: float) -> Any:
     """A linear's spec (class, ModuleSpec or builder partial) as a ModuleSpec of its LoRA wrapper."""
     if site not in sites:
         return spec
-    if isinstance(spec, ModuleSpec):
-        base, params = spec.module, spec.params
-    elif isinstance(spec, functools.partial):
-        base, params = spec.func, spec.keywords
-    else:
-        base, params = spec, {}
+    params = spec.params if isinstance(spec, ModuleSpec) else getattr(spec, "keywords", {})
     lora_params = {"lora_site": site, "lora_slots": sites[site], "lora_dropout": dropout}
-    return ModuleSpec(module=_wrapper_for(base), params={**params, **lora_params})
+    return ModuleSpec(module=_wrapper_for(_class_of(spec)), params={**params, **lora_params})
 
 
 def _submodules(spec: Any) -> Any:

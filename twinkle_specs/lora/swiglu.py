@@ -21,6 +21,7 @@ rounded once. Backward saves ``pre``, ``h``, ``b`` (and ``a2``), not the sum, an
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -174,6 +175,11 @@ def _use_triton(*tensors: torch.Tensor | None) -> bool:
     )
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _rank_block(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
@@ -204,7 +210,7 @@ def _triton_backward(dout, pre, h, b, dh2, a2) -> tuple:
     br, br2 = _rank_block(R), _rank_block(a.shape[0] if fc2 else 16)
     blocks = triton.cdiv(ffn, bf)
     # token chunks: ``waves`` programs per SM (the interpreter: a few), each chunk whole token blocks
-    sms = torch.cuda.get_device_properties(pre.device).multi_processor_count if pre.is_cuda else 2
+    sms = _sm_count(pre.device) if pre.is_cuda else 2
     chunks = max(1, min(triton.cdiv(T, bt), triton.cdiv(waves * sms, blocks)))
     tch = triton.cdiv(triton.cdiv(T, chunks), bt) * bt
     chunks = triton.cdiv(T, tch)

@@ -67,7 +67,7 @@ class _LoraTEGroupedLinear(LoraLayerMixin):
 
     def forward(self, x: torch.Tensor, m_splits: Any):
         out, bias = super().forward(x, m_splits)
-        if self.lora_merged or not self.lora_slots:
+        if not self.lora_active():
             return out, bias
         splits = m_splits.tolist() if torch.is_tensor(m_splits) else list(m_splits)
         (slot,) = self.lora_slots  # routed-expert sites have one slot (gate_up_proj, down_proj)
