@@ -394,8 +394,15 @@ def megatron_overrides(s: Settings, arch) -> dict[str, Any]:
             o |= {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": s.ce_fusion_impl}
         if arch.is_moe:
             o |= {"moe_grouped_gemm": True}
+            if s.gpu_fusions:
+                # TE's fused token permutation, as NVIDIA's MoE recipes run (--moe-permute-fusion)
+                o |= {"moe_permute_fusion": True}
         if s.cuda_graphs != "none":
             o |= {"cuda_graph_impl": s.cuda_graphs, "use_te_rng_tracker": True}
+            if arch.is_moe:
+                # Dropless experts see a data-dependent token count and cannot be captured; megatron's
+                # partial MoE graphs take attention, router and dispatch preprocessing per layer.
+                o |= {"cuda_graph_scope": "attn,moe_router,moe_preprocess"}
     return o | s.mcore_overrides
 
 
@@ -539,9 +546,15 @@ def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: st
             "bias_activation_fusion",
             "moe_grouped_gemm",
             "moe_token_dispatcher_type",
+            "moe_permute_fusion",
             "cuda_graph_impl",
+            "cuda_graph_scope",
         )
     }
+    if result["config"]["cuda_graph_scope"] is not None:  # CudaGraphScope members
+        result["config"]["cuda_graph_scope"] = [
+            getattr(v, "name", v) for v in result["config"]["cuda_graph_scope"]
+        ]
     if variant == "twinkle_frozen":
         wrapped, finish, result["optimizer"] = model, (lambda: None), "none (nothing trainable)"
     else:

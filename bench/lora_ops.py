@@ -161,7 +161,7 @@ def _per_slot_forward(self, input_: torch.Tensor, *args, **kwargs):
 
 
 def expert_counts() -> dict:
-    from twinkle_specs.lora.layers import expert_delta_grouped, expert_delta_loop
+    from twinkle_specs.lora.experts import expert_delta_grouped, expert_delta_loop
 
     g = torch.Generator().manual_seed(0)
     experts, n_in, n_out, r = 128, 256, 192, 32

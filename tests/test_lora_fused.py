@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from test_lora_support import randomize_layer, run_ranks, single_rank  # noqa: F401  (fixture)
 from test_lora_te_standin import te  # noqa: F401  (fixture)
 
-from twinkle_specs.lora import layers
+from twinkle_specs.lora import experts, layers
 from twinkle_specs.lora.config import SlotSpec
 
 REL_TOL = 1e-5
@@ -197,7 +197,7 @@ def test_grouped_experts_grouped_mm_equals_loop(te, site, single_rank, monkeypat
     """torch's grouped GEMM (forced here: on CPU it runs torch's own fallback kernel) equals the
     per-expert loop, zero-token experts included (zero gradients for them)."""
     layer = _experts(te, site)
-    assert not layers.grouped_mm_fits(torch.randn(9, 32), layer.lora_A, layer.lora_B, SPLITS)
+    assert not experts.grouped_mm_fits(torch.randn(9, 32), SPLITS, layer.lora_A, layer.lora_B)
     x = torch.randn(sum(SPLITS), 32)
     grad = torch.randn(sum(SPLITS), 24)
 
@@ -217,7 +217,7 @@ def test_grouped_experts_grouped_mm_equals_loop(te, site, single_rank, monkeypat
     a, b, s = layer.lora_A, layer.lora_B, layer.lora_spec[slot].scaling
     blocks = torch.split(x, SPLITS)
     want = torch.cat([F.linear(F.linear(xe, a[e]), b[e]) * s for e, xe in enumerate(blocks)])
-    assert torch.equal(layers.expert_delta_loop(x, a, b, SPLITS, s), want)
+    assert torch.equal(experts.expert_delta_loop(x, a, b, SPLITS, s), want)
 
 
 def test_grouped_experts_without_tokens(te, single_rank):  # noqa: F811
@@ -229,6 +229,72 @@ def test_grouped_experts_without_tokens(te, single_rank):  # noqa: F811
     out.sum().backward()
     assert out.shape == (0, 24)
     assert all(p.grad is not None and not p.grad.any() for p in _factors(layer))
+
+
+@pytest.mark.parametrize("site", ["experts.linear_fc1", "experts.linear_fc2"])
+def test_frozen_experts_base_runs_as_one_grouped_gemm(te, site, single_rank, monkeypatch):  # noqa: F811
+    """With frozen expert weights and torch's grouped GEMM available (forced here: CPU runs torch's own
+    kernel), the base is one grouped GEMM over views of one weight stack: same output and gradients as
+    the stand-in's per-expert GEMMs, zero-token experts included; the parameters keep their values and
+    names; a weight given new storage afterwards is read at its new value, not from the old stack."""
+    layer = _experts(te, site)
+    for _, w in layer.lora_base_weights():
+        w.requires_grad_(False)
+    before = {n: t.clone() for n, t in layer.state_dict().items()}
+    x = torch.randn(sum(SPLITS), 32)
+    grad = torch.randn(sum(SPLITS), 24)
+
+    def forward(x):
+        return layer(x, SPLITS)[0]
+
+    monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: False)
+    per_expert = _run(layer, forward, x, grad)
+    assert not hasattr(layer, "_lora_stacked")  # the stand-in (TE) base ran
+    monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: True)
+    grouped = _run(layer, forward, x, grad)
+    assert _rel(grouped, per_expert) <= REL_TOL
+    stack = layer._lora_stacked.get([w for _, w in layer.lora_base_weights()])
+    assert stack.shape == (len(SPLITS), 24, 32)
+    for e, (_, w) in enumerate(layer.lora_base_weights()):
+        assert w.data_ptr() == stack[e].data_ptr() and isinstance(w, torch.nn.Parameter)
+    after = layer.state_dict()
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+    # New storage (a cast or .cuda() of CPU-initialised weights would do the same): the new value counts.
+    layer.weight2.data = layer.weight2.data * 3.0
+    new_grouped = _run(layer, forward, x, grad)
+    assert (
+        layer.weight2.data_ptr()
+        == layer._lora_stacked.get([w for _, w in layer.lora_base_weights()])[2].data_ptr()
+    )
+    monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: False)
+    new_per_expert = _run(layer, forward, x, grad)
+    assert _rel(new_grouped, new_per_expert) <= REL_TOL
+    assert _rel(new_grouped, grouped) > 0.01  # expert 2 has tokens: the output did change
+
+
+def test_frozen_experts_base_keeps_only_its_weights(te, single_rank, monkeypatch):  # noqa: F811
+    """For its backward the frozen grouped base keeps the weight stack and the block ends, never the
+    routed tokens (the adapters keep theirs; merged here, so only the base runs)."""
+    layer = _experts(te)
+    for _, w in layer.lora_base_weights():
+        w.requires_grad_(False)
+    layer.merge()
+    monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: True)
+    x = torch.randn(sum(SPLITS), 32, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, _ = layer(x, SPLITS)
+    assert [tuple(t.shape) for t in saved] == [(len(SPLITS), 24, 32), (len(SPLITS),)]
+    assert saved[1].tolist() == [3, 3, 8, 8, 9, 9]
+    out.sum().backward()
+    want = torch.cat(
+        [
+            w.sum(0, keepdim=True).expand(n, -1)
+            for n, (_, w) in zip(SPLITS, layer.lora_base_weights(), strict=True)
+        ]
+    )
+    assert torch.allclose(x.grad, want, rtol=1e-6, atol=1e-6)
 
 
 # -- GPU: torch's grouped GEMM in bf16 -------------------------------------------------------------------
@@ -257,10 +323,10 @@ def test_grouped_mm_bf16_cuda_matches_loop():
         return [t.float().cpu() for t in (y, x.grad, a.grad, b.grad)]
 
     bf16 = (x32.cuda().bfloat16(), a32.cuda().bfloat16(), b32.cuda().bfloat16())
-    assert layers.grouped_mm_fits(*bf16, splits)
-    truth = run(layers.expert_delta_loop, torch.float32)
-    grouped = run(layers.expert_delta_grouped, torch.bfloat16)
-    loop = run(layers.expert_delta_loop, torch.bfloat16)
+    assert experts.grouped_mm_fits(bf16[0], splits, *bf16[1:])
+    truth = run(experts.expert_delta_loop, torch.float32)
+    grouped = run(experts.expert_delta_grouped, torch.bfloat16)
+    loop = run(experts.expert_delta_loop, torch.bfloat16)
     for name, t, gr, lo in zip(("out", "dx", "dA", "dB"), truth, grouped, loop, strict=True):
         cos = F.cosine_similarity(gr.flatten().double(), t.flatten().double(), dim=0).item()
         assert cos >= 0.999, (name, cos)

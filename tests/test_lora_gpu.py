@@ -207,6 +207,51 @@ def test_te_bf16_training_with_full_recompute(lora_checkpoints, gpu):
             assert torch.equal(p, base[n]), f"unmerge did not restore {n} exactly"
 
 
+def test_te_frozen_experts_on_grouped_mm_match_te_grouped_linear(lora_checkpoints, gpu, monkeypatch):
+    """Qwen3-MoE, LoRA all-linear, TE grouped-GEMM experts in bf16: the frozen experts' base on torch's
+    grouped GEMM (experts.FrozenGroupedMM) gives the loss and adapter gradients of TE's GroupedLinear
+    (max |Δ| <= 1e-2 of the largest gradient, loss within 1e-2), and it is the path that ran."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the grouped-GEMM base runs on sm90 (H100/H200) only")
+    from test_lora_support import VOCAB, randomize_megatron, tokens
+
+    import twinkle_specs as ts
+    from twinkle_specs import LoraConfig
+    from twinkle_specs.lora import adapter_parameters, te_layers
+
+    model = ts.build_model(
+        lora_checkpoints("qwen3_moe"),
+        lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        moe_grouped_gemm=True,
+        **fp32_router("qwen3_moe", torch.bfloat16),
+    )
+    randomize_megatron(model)  # B != 0: the adapters change the output and get full gradients
+    grouped = [m for m in model.modules() if isinstance(m, te_layers._LoraTEGroupedLinear)]
+    assert grouped
+    toks = tokens(s=64).cuda()
+    pos = torch.arange(toks.shape[1], device="cuda").expand_as(toks)
+
+    def loss_and_grads():
+        for p in adapter_parameters(model):
+            p.grad = None
+        logits = model(toks, pos, None)[..., :VOCAB].float()
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), toks[:, 1:].reshape(-1))
+        loss.backward()
+        return loss.item(), [p.grad.float().clone() for p in adapter_parameters(model)]
+
+    loss, grads = loss_and_grads()
+    assert all(hasattr(m, "_lora_stacked") for m in grouped), "the grouped-GEMM base did not run"
+    monkeypatch.setattr(te_layers._LoraTEGroupedLinear, "_frozen_base_stack", lambda *a: None)
+    te_loss, te_grads = loss_and_grads()
+    scale = max(g.abs().max().item() for g in te_grads)
+    worst = max((g - t).abs().max().item() for g, t in zip(grads, te_grads, strict=True)) / scale
+    EVIDENCE.record("frozen_experts_grouped_mm_vs_te", loss=loss, te_loss=te_loss, grad_rel_max=worst)
+    assert abs(loss - te_loss) <= 1e-2 * abs(te_loss), (loss, te_loss)
+    assert worst <= GRAD_REL, worst
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs with Transformer Engine (TP=2)")
 def test_te_tp2_sequence_parallel_matches_peft(lora_checkpoints, tmp_path):
     import peft

@@ -573,55 +573,6 @@ def _zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.zeros(n, dtype=dtype, device=device)
 
 
-def expert_delta_loop(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, splits: list[int], scaling: float
-) -> torch.Tensor:
-    """Routed-expert adapter delta, one expert at a time: ``scaling * B_e(A_e(x_e))`` for each expert's
-    token block ``x_e`` (``splits``), two GEMMs and a multiply per expert. The exact math of the
-    reference; used where :func:`expert_delta_grouped` cannot run."""
-    parts = torch.split(x, splits)
-    return torch.cat([F.linear(F.linear(xe, a[e]), b[e]) * scaling for e, xe in enumerate(parts)])
-
-
-def expert_delta_grouped(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, splits: list[int], scaling: float
-) -> torch.Tensor:
-    """The same delta with two grouped GEMMs for all experts (``torch._grouped_mm``, offsets = the
-    token blocks' ends; an expert without tokens is an empty group and gets zero gradients) and one
-    ``scaling`` multiply of the rank-r activation.
-
-    Why this and not a padded ``bmm``: the grouped GEMM reads the routed tokens where they are, while a
-    padded bmm copies every block into an [experts, max tokens, hidden] buffer (and back), sized by the
-    busiest expert, which is several times the routed tokens when routing is uneven, and needs the
-    largest block on the host. Rows past the last offset would be left unwritten by ``_grouped_mm``;
-    there are none, the offsets end at ``x.shape[0]``.
-    """
-    ends = list(itertools.accumulate(splits))
-    offs = torch.tensor(ends, dtype=torch.int32, device=x.device)
-    h = torch._grouped_mm(x, a.transpose(-2, -1), offs=offs)
-    if scaling != 1.0:
-        h = h * scaling
-    return torch._grouped_mm(h, b.transpose(-2, -1), offs=offs)
-
-
-def grouped_mm_fits(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, splits: list[int]) -> bool:
-    """Whether :func:`expert_delta_grouped` runs here: torch's grouped GEMM (CUDA sm90, bf16, every
-    row stride a multiple of 16 bytes) on a 2-D token block of at least one token. Blackwell is left
-    to the loop: its grouped GEMM gave non-zero gradients for zero-token experts (pytorch#172439)."""
-    if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.dim() != 2 or not x.shape[0]:
-        return False
-    if not x.dtype == a.dtype == b.dtype == torch.bfloat16 or sum(splits) != x.shape[0]:
-        return False
-    if _device_capability(x.device)[0] != 9 or x.stride(-1) != 1:
-        return False
-    return all(n % 8 == 0 for n in (x.stride(0), a.shape[-1], a.shape[-2], b.shape[-2]))
-
-
-@functools.cache
-def _device_capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def _grouped_sharded(factors: dict, sharded_offsets: tuple) -> dict:
     """Grouped-GEMM factors, [local experts, ...] each: this rank's block of the global expert axis
     (expert-tensor-parallel size is 1, so there is no TP axis), replicated over expert-DP."""

@@ -5,7 +5,8 @@ wrapper of TE's norm-fused linear: an adapted QKV or fc1 is built as megatron's 
 plain TE linear (:mod:`twinkle_specs.lora.spec`), so that the adapter shares the norm's output and its
 backward with the base. Grouped-GEMM experts hold per-expert factors stacked on dim 0 and apply them
 to each expert's token block (``m_splits``) with torch's grouped GEMM where it runs (CUDA sm90, bf16),
-else one expert at a time.
+else one expert at a time; there their frozen base runs as one grouped GEMM too, not TE's GEMM per
+expert (:mod:`.experts`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from megatron.core.extensions.transformer_engine import (
     TERowParallelLinear,
 )
 
-from .layers import (
-    LoraLayerMixin,
-    LoraLinearMixin,
+from .experts import (
+    FrozenGroupedMM,
+    StackedWeights,
     expert_delta_grouped,
     expert_delta_loop,
+    group_ends,
     grouped_mm_fits,
 )
+from .layers import LoraLayerMixin, LoraLinearMixin
 
 
 class LoraTEColumnParallelLinear(LoraLinearMixin, TEColumnParallelLinear):
@@ -66,15 +69,42 @@ class _LoraTEGroupedLinear(LoraLayerMixin):
         )
 
     def forward(self, x: torch.Tensor, m_splits: Any):
-        out, bias = super().forward(x, m_splits)
-        if not self.lora_active():
-            return out, bias
         splits = m_splits.tolist() if torch.is_tensor(m_splits) else list(m_splits)
+        active = self.lora_active()
+        a, b = (self.lora_param("A"), self.lora_param("B")) if active else (None, None)
+        frozen = self._frozen_base_stack(x, splits)
+        if frozen is not None:
+            ends = group_ends(splits, x.device)
+            out, bias = FrozenGroupedMM.apply(x, frozen, ends), None
+        else:
+            ends = None
+            out, bias = super().forward(x, m_splits)
+        if not active:
+            return out, bias
         (slot,) = self.lora_slots  # routed-expert sites have one slot (gate_up_proj, down_proj)
-        a, b, scaling = self.lora_param("A"), self.lora_param("B"), self.lora_spec[slot].scaling
+        scaling = self.lora_spec[slot].scaling
         # One grouped GEMM per factor where torch has it for these tensors (CUDA sm90, bf16), else the loop.
-        delta = expert_delta_grouped if grouped_mm_fits(x, a, b, splits) else expert_delta_loop
-        return out + delta(x, a, b, splits, scaling).to(out.dtype), bias
+        if grouped_mm_fits(x, splits, a, b):
+            delta = expert_delta_grouped(x, a, b, splits, scaling, ends)
+        else:
+            delta = expert_delta_loop(x, a, b, splits, scaling)
+        return out + delta.to(out.dtype), bias
+
+    def _frozen_base_stack(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor | None:
+        """The experts' weights as one [experts, out, in] tensor for :class:`FrozenGroupedMM`, where the
+        base can run as torch's grouped GEMM: frozen weights (no weight gradient to compute), no bias,
+        no fp8/fp4, a token block torch's grouped GEMM takes. None: TE's GroupedLinear runs it."""
+        config = self.config
+        if getattr(self, "use_bias", False) or getattr(config, "fp8", None) or getattr(config, "fp4", None):
+            return None
+        if not grouped_mm_fits(x, splits, self.weight0):
+            return None
+        weights = [self._parameters[f"weight{g}"] for g in range(self.lora_num_gemms)]
+        if any(w.requires_grad for w in weights):
+            return None
+        if not hasattr(self, "_lora_stacked"):
+            self._lora_stacked = StackedWeights()
+        return self._lora_stacked.get(weights)
 
 
 class LoraTEColumnParallelGroupedLinear(_LoraTEGroupedLinear, TEColumnParallelGroupedLinear):

@@ -1,0 +1,133 @@
+"""Routed experts' GEMMs for LoRA: the frozen base and the per-expert adapters, one grouped GEMM each.
+
+megatron hands a grouped-GEMM expert linear its routed tokens sorted by expert plus the token count of
+each local expert (``m_splits``, on the host). Transformer Engine's GroupedLinear runs that as one
+cuBLAS GEMM per expert, launched and planned from the host: with 128 experts that was ~4 ms of host
+time per call on an H100, 16 calls per step on the 4-layer Qwen3-30B-A3B shape, with the GPU idle
+86 % of the LoRA step (bench/results/2026-11-23-h100-s8/profile-moe.txt). A LoRA model's expert
+weights are frozen, so the base needs no weight gradient and can run as torch's grouped GEMM
+(``torch._grouped_mm``: one kernel over all experts, the token blocks' ends on the device) in both
+directions, as can the adapters. Where torch's grouped GEMM does not run (not CUDA sm90, not bf16,
+unaligned sizes, fp8, a bias, trainable experts) the base stays TE's and the adapters go one expert at
+a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+
+def expert_delta_loop(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, splits: list[int], scaling: float
+) -> torch.Tensor:
+    """Routed-expert adapter delta, one expert at a time: ``scaling * B_e(A_e(x_e))`` for each expert's
+    token block ``x_e`` (``splits``), two GEMMs and a multiply per expert. The exact math of the
+    reference; used where :func:`expert_delta_grouped` cannot run."""
+    parts = torch.split(x, splits)
+    return torch.cat([F.linear(F.linear(xe, a[e]), b[e]) * scaling for e, xe in enumerate(parts)])
+
+
+def expert_delta_grouped(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    splits: list[int],
+    scaling: float,
+    ends: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The same delta with two grouped GEMMs for all experts (``torch._grouped_mm``, offsets = the
+    token blocks' ends, :func:`group_ends`; an expert without tokens is an empty group and gets zero
+    gradients) and one ``scaling`` multiply of the rank-r activation.
+
+    Why this and not a padded ``bmm``: the grouped GEMM reads the routed tokens where they are, while a
+    padded bmm copies every block into an [experts, max tokens, hidden] buffer (and back), sized by the
+    busiest expert, which is several times the routed tokens when routing is uneven, and needs the
+    largest block on the host. Rows past the last offset would be left unwritten by ``_grouped_mm``;
+    there are none, the offsets end at ``x.shape[0]``.
+    """
+    offs = group_ends(splits, x.device) if ends is None else ends
+    h = torch._grouped_mm(x, a.transpose(-2, -1), offs=offs)
+    if scaling != 1.0:
+        h = h * scaling
+    return torch._grouped_mm(h, b.transpose(-2, -1), offs=offs)
+
+
+class FrozenGroupedMM(torch.autograd.Function):
+    """``x_e @ W_eᵀ`` for every expert's token block, one grouped GEMM, with frozen ``w`` [experts, out,
+    in]: the backward is the input gradient alone (one grouped GEMM with ``w`` as it is), and only the
+    weights and offsets are kept for it, never the routed tokens (as TE's GroupedLinear keeps nothing
+    but its weights when they are frozen)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(w, ends)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        w, ends = ctx.saved_tensors
+        return torch._grouped_mm(grad.contiguous(), w, offs=ends), None, None
+
+
+def grouped_mm_fits(x: torch.Tensor, splits: list[int], *weights: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM runs here for ``x`` against each of ``weights`` ([experts, rows,
+    cols] each): CUDA sm90, bf16, every row stride a multiple of 16 bytes, a 2-D token block of at
+    least one token that ``splits`` covers. Blackwell is left out: its grouped GEMM gave non-zero
+    gradients for zero-token experts (pytorch#172439)."""
+    if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.dim() != 2 or not x.shape[0]:
+        return False
+    if x.dtype != torch.bfloat16 or any(w.dtype != x.dtype for w in weights) or sum(splits) != x.shape[0]:
+        return False
+    if _device_capability(x.device)[0] != 9 or x.stride(-1) != 1 or x.stride(0) % 8:
+        return False
+    return all(n % 8 == 0 for w in weights for n in w.shape[-2:])
+
+
+@functools.cache
+def _device_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+_LAST_ENDS: list = []  # [(splits, device, ends)]: the most recent, see group_ends
+
+
+def group_ends(splits: list[int], device: torch.device) -> torch.Tensor:
+    """The token blocks' ends (int32, on ``device``) for ``splits``. One host-to-device copy per MoE
+    layer forward, not per GEMM: an expert MLP's fc1 and fc2 (and their adapters) get equal splits, so
+    the last answer is kept and reused when the splits are equal (compared by value)."""
+    if _LAST_ENDS:
+        last_splits, last_device, ends = _LAST_ENDS[0]
+        if last_device == device and last_splits == splits:
+            return ends
+    ends = torch.tensor(list(itertools.accumulate(splits)), dtype=torch.int32, device=device)
+    _LAST_ENDS[:] = [(list(splits), device, ends)]
+    return ends
+
+
+class StackedWeights:
+    """A grouped linear's per-expert weights (``weight0`` … ``weightN``, the parameters that loading,
+    checkpoints and export see) kept as views of one [experts, out, in] tensor, which is what the
+    grouped GEMM reads.
+
+    The parameters stay the module's own, under their names; only their storage moves, once. Anything
+    that later gives a weight new storage (``.cuda()`` or a dtype cast of CPU-initialised weights,
+    assigning ``.data``) is noticed at the next :meth:`get` by comparing storage addresses, and the
+    stack is rebuilt from the weights' current values, so the GEMM never reads stale weights.
+    """
+
+    def __init__(self) -> None:
+        self._stack: torch.Tensor | None = None
+        self._addresses: list[int] = []
+
+    def get(self, weights: list[torch.nn.Parameter]) -> torch.Tensor:
+        """The [experts, out, in] tensor whose slices the ``weights`` are, rebuilt if they no longer are."""
+        if self._stack is None or [w.data_ptr() for w in weights] != self._addresses:
+            stack = torch.stack([w.detach() for w in weights])
+            for w, view in zip(weights, stack, strict=True):
+                w.data = view
+            self._stack, self._addresses = stack, [w.data_ptr() for w in weights]
+        return self._stack
