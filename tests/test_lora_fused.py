@@ -308,12 +308,12 @@ def test_grouped_mm_bf16_cuda_matches_loop():
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("torch's grouped GEMM path is enabled on sm90 (H100/H200) only")
     g = torch.Generator().manual_seed(0)
-    experts, n_in, n_out, r = 16, 2048, 1536, 32
-    splits = [int(v) for v in torch.randint(0, 300, (experts,), generator=g)]
+    n_experts, n_in, n_out, r = 16, 2048, 1536, 32
+    splits = [int(v) for v in torch.randint(0, 300, (n_experts,), generator=g)]
     splits[1] = splits[7] = splits[-1] = 0
     x32 = torch.randn(sum(splits), n_in, generator=g)
-    a32 = torch.randn(experts, r, n_in, generator=g) * n_in**-0.5
-    b32 = torch.randn(experts, n_out, r, generator=g) * 0.1
+    a32 = torch.randn(n_experts, r, n_in, generator=g) * n_in**-0.5
+    b32 = torch.randn(n_experts, n_out, r, generator=g) * 0.1
     grad32 = torch.randn(sum(splits), n_out, generator=g)
 
     def run(fn, dtype):
@@ -333,7 +333,7 @@ def test_grouped_mm_bf16_cuda_matches_loop():
         # no worse than the loop in bf16 (up to bf16 rounding of either)
         assert (gr - t).abs().max() <= 2 * (lo - t).abs().max() + 1e-2 * t.abs().max(), name
     for t in grouped[2:]:
-        assert not t[[1, 7, experts - 1]].any()  # zero-token experts: exactly zero gradient
+        assert not t[[1, 7, n_experts - 1]].any()  # zero-token experts: exactly zero gradient
 
 
 def test_sharded_factories_cut_and_rebuild_the_stacked_factors(single_rank):  # noqa: F811

@@ -243,8 +243,10 @@ def test_te_frozen_experts_on_grouped_mm_match_te_grouped_linear(lora_checkpoint
 
     loss, grads = loss_and_grads()
     assert all(hasattr(m, "_lora_stacked") for m in grouped), "the grouped-GEMM base did not run"
-    monkeypatch.setattr(te_layers._LoraTEGroupedLinear, "_frozen_base_stack", lambda *a: None)
+    declined: list[int] = []  # TE's GroupedLinear runs wherever the grouped-GEMM base is declined
+    monkeypatch.setattr(te_layers._LoraTEGroupedLinear, "_frozen_base_stack", lambda *a: declined.append(1))
     te_loss, te_grads = loss_and_grads()
+    assert len(declined) == len(grouped), "the TE GroupedLinear comparison run did not run TE's base"
     scale = max(g.abs().max().item() for g in te_grads)
     worst = max((g - t).abs().max().item() for g, t in zip(grads, te_grads, strict=True)) / scale
     EVIDENCE.record("frozen_experts_grouped_mm_vs_te", loss=loss, te_loss=te_loss, grad_rel_max=worst)
