@@ -70,8 +70,6 @@ class _LoraTEGroupedLinear(LoraLayerMixin):
 
     def forward(self, x: torch.Tensor, m_splits: Any):
         splits = m_splits.tolist() if torch.is_tensor(m_splits) else list(m_splits)
-        active = self.lora_active()
-        a, b = (self.lora_param("A"), self.lora_param("B")) if active else (None, None)
         frozen = self._frozen_base_stack(x, splits)
         if frozen is not None:
             ends = group_ends(splits, x.device)
@@ -79,10 +77,10 @@ class _LoraTEGroupedLinear(LoraLayerMixin):
         else:
             ends = None
             out, bias = super().forward(x, m_splits)
-        if not active:
+        if not self.lora_active():
             return out, bias
         (slot,) = self.lora_slots  # routed-expert sites have one slot (gate_up_proj, down_proj)
-        scaling = self.lora_spec[slot].scaling
+        a, b, scaling = self.lora_param("A"), self.lora_param("B"), self.lora_spec[slot].scaling
         # One grouped GEMM per factor where torch has it for these tensors (CUDA sm90, bf16), else the loop.
         if grouped_mm_fits(x, splits, a, b):
             delta = expert_delta_grouped(x, a, b, splits, scaling, ends)
@@ -99,7 +97,7 @@ class _LoraTEGroupedLinear(LoraLayerMixin):
             return None
         if not grouped_mm_fits(x, splits, self.weight0):
             return None
-        weights = [self._parameters[f"weight{g}"] for g in range(self.lora_num_gemms)]
+        weights = [w for _, w in self.lora_base_weights()]
         if any(w.requires_grad for w in weights):
             return None
         if not hasattr(self, "_lora_stacked"):
