@@ -156,7 +156,12 @@ def time_steps(step, warmup: int, steps: int) -> dict[str, Any]:
     of the timed loop, peak memory and losses."""
     losses = [float(step()) for _ in range(warmup)]
     _sync()
+    # Python's cyclic GC off while timing, as megatron's --manual-gc does in pretrain_gpt.py: a gen-2
+    # collection over a model's worth of objects lands in a random step (host-bound MoE steps varied
+    # ±25 % between runs without this, bench/results/2026-11-23-h100-s9); the same for every variant.
     gc.collect()
+    gc.freeze()
+    gc.disable()
     mem_before = None
     if on_gpu():
         torch.cuda.reset_peak_memory_stats()
@@ -178,6 +183,8 @@ def time_steps(step, warmup: int, steps: int) -> dict[str, Any]:
             marks.append(time.perf_counter())
     _sync()
     wall = time.perf_counter() - t0
+    gc.enable()
+    gc.unfreeze()
     phases = None
     if on_gpu():
         times = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(steps)]
@@ -186,7 +193,7 @@ def time_steps(step, warmup: int, steps: int) -> dict[str, Any]:
     else:
         times = [b - a for a, b in zip(marks, marks[1:], strict=False)]
     losses += [float(x) for x in outs]
-    result = {"step_time_s": spread(times), "timed_wall_s": wall, "losses": losses}
+    result = {"step_time_s": spread(times), "timed_wall_s": wall, "losses": losses, "gc": "off while timed"}
     if phases:
         result["phase_time_s"] = phases
     if on_gpu():
@@ -269,6 +276,8 @@ def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool) -> dict[st
             step()
         _sync()
     wall = time.perf_counter() - t0
+    gc.enable()
+    gc.unfreeze()
     averages = prof.key_averages()
     sort_key = "self_device_time_total" if on_gpu() else "self_cpu_time_total"
     table = averages.table(sort_by=sort_key, row_limit=40)

@@ -50,8 +50,20 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
         for name, num, den, metric, _ in RATIOS:
             a, b = by_variant.get(num, {}).get(metric), by_variant.get(den, {}).get(metric)
             row[name] = a / b if a is not None and b else None
+            pairs = _paired(by_variant.get(num, {}), by_variant.get(den, {}))
+            if metric == "tokens_per_s_per_gpu" and pairs:
+                row[f"{name}_pairs"] = pairs
         out[group_name(key)] = row
     return out
+
+
+def _paired(num: dict[str, Any], den: dict[str, Any]) -> list[float] | None:
+    """Throughput ratio of each interleaved repeat (``--repeats``: num and den ran back to back, so a
+    pair shares the machine's state): den's median step time over num's, per run."""
+    a, b = num.get("repeat_medians"), den.get("repeat_medians")
+    if not a or not b or len(a) != len(b):
+        return None
+    return [tb / ta for ta, tb in zip(a, b, strict=True)]
 
 
 def targets(results: list[dict[str, Any]], ratio_table: dict[str, dict]) -> list[dict[str, Any]]:
@@ -126,6 +138,21 @@ def _commits(doc: dict[str, Any]) -> list[str | None]:
     return list(dict.fromkeys(_commit(doc, r) for r in doc["results"]))
 
 
+def paired_lines(ratio_table: dict[str, dict]) -> list[str]:
+    """The markdown lines listing each interleaved repeat's ratio (:func:`_paired`), if any."""
+    lines: list[str] = []
+    for group, row in ratio_table.items():
+        for name, *_ in RATIOS:
+            pairs = row.get(f"{name}_pairs")
+            if not pairs:
+                continue
+            ordered = sorted(pairs)
+            median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+            values = ", ".join(f"{p:.3f}" for p in pairs)
+            lines.append(f"- {group}, {name}: {values} (median {median:.3f})")
+    return ["", "Per interleaved repeat (each pair ran back to back):", "", *lines] if lines else []
+
+
 def markdown(doc: dict[str, Any]) -> str:
     env = doc["environment"]
     commits = _commits(doc)
@@ -175,6 +202,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines.append("|---" * (len(RATIOS) + 1) + "|")
     for group, row in doc["ratios"].items():
         lines.append(f"| {group} | " + " | ".join(_fmt(row.get(n), ".3f") for n, *_ in RATIOS) + " |")
+    lines += paired_lines(doc["ratios"])
     lines += ["", "## Targets", "", "| group | target | measured | met |", "|---|---|---|---|"]
     for c in doc["targets"]:
         lines.append(f"| {c['group']} | {c['target']} | {c['value']:.3f} | {'yes' if c['met'] else 'NO'} |")

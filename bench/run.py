@@ -130,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--export", type=Path, help="copy results.{json,md,png}, run.log, profile.txt here")
     ap.add_argument("--fresh", action="store_true", help="do not merge with an existing results.json")
     ap.add_argument("--in-process", action="store_true", help="run variants in this process")
+    ap.add_argument(
+        "--no-pin", action="store_true", help="do not restrict the run to the GPU's NUMA-node CPUs"
+    )
     ap.add_argument("--variant-timeout", type=int, default=300, help="seconds per child process")
     ap.add_argument(
         "--budget",
@@ -244,8 +247,57 @@ def environment(in_process: bool, out: Path) -> dict:
             gpus = [g.strip() for g in proc.stdout.splitlines() if g.strip()] or ["unknown GPU"]
     env["device"] = gpus[0] if gpus else "cpu"
     env["gpu_count"] = len(gpus)
+    if hasattr(os, "sched_getaffinity"):
+        env["cpu_affinity"] = _cpu_list(os.sched_getaffinity(0))
     env["git_commit"] = git_commit(out)
     return env
+
+
+def _cpu_list(cpus: set[int]) -> str:
+    """``{0, 1, 2, 5}`` as ``0-2,5``."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def _parse_cpu_list(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            a, _, b = part.partition("-")
+            cpus.update(range(int(a), int(b or a) + 1))
+    return cpus
+
+
+def pin_to_gpu_numa_node() -> str:
+    """Restricts this process (and the variants' child processes, which inherit it) to the CPUs of the
+    first GPU's NUMA node that it may run on, as NVIDIA's launch scripts do with numactl. A host-bound
+    step (the MoE shape launches thousands of kernels) otherwise moves between sockets from run to run,
+    and its launches cross the inter-socket link to reach the GPU. Returns what was done."""
+    if not hasattr(os, "sched_setaffinity") or not shutil.which("nvidia-smi"):
+        return "not pinned: no sched_setaffinity or nvidia-smi"
+    proc = subprocess.run(
+        ["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", "0"],
+        capture_output=True,
+        text=True,
+    )
+    bus = proc.stdout.strip().lower()
+    if proc.returncode or not bus:
+        return "not pinned: nvidia-smi gave no PCI bus id"
+    domain, _, rest = bus.partition(":")
+    local = Path(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}/local_cpulist")
+    if not local.exists():
+        return f"not pinned: no {local}"
+    allowed = os.sched_getaffinity(0)
+    cpus = _parse_cpu_list(local.read_text()) & allowed
+    if not cpus or cpus == allowed:
+        return f"not pinned: GPU-local CPUs {local.read_text().strip()}, allowed {_cpu_list(allowed)}"
+    os.sched_setaffinity(0, cpus)
+    return f"pinned to {_cpu_list(cpus)} (GPU 0 at {bus}; allowed were {_cpu_list(allowed)})"
 
 
 def _layers(args) -> dict[str, int]:
@@ -451,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     on_gpu = torch.cuda.is_available()
+    pinning = pin_to_gpu_numa_node() if on_gpu and not args.no_pin else "not pinned (--no-pin or no GPU)"
+    print(f"[bench] CPU affinity: {pinning}", flush=True)
     settings = _settings(args, on_gpu)
     layers = _layers(args)
     command = "python bench/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -458,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         "schema_version": report.SCHEMA_VERSION,
         "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": command,
-        "environment": environment(args.in_process, args.out),
+        "environment": environment(args.in_process, args.out) | {"cpu_pinning": pinning},
         "settings": settings.__dict__,
         "flop_formula": {
             "full": "6*N*T + 3*A",

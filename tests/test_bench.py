@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import kernel_diff, report  # noqa: E402
 from bench.flops import peak_flops, step_flops  # noqa: E402
-from bench.run import EXPORT_FILES, git_commit, main  # noqa: E402
+from bench.run import EXPORT_FILES, _cpu_list, _parse_cpu_list, git_commit, main  # noqa: E402
 from twinkle_specs.hf_config import QwenArch  # noqa: E402
 from twinkle_specs.lora import LoraConfig  # noqa: E402
 
@@ -398,6 +398,32 @@ def test_report_ratios_and_targets():
     assert small["c_over_e_activation_memory <= 1.05"]["met"] is True
     assert met["mcore_te_full MFU >= 0.5 (dense 8B shape)"] is True
     assert met["twinkle_full MFU >= 0.5 (dense 8B shape)"] is False
+
+
+def test_report_pairs_interleaved_repeats():
+    """With --repeats, each (b)/(a) pair that ran back to back gets its own throughput ratio (a's median
+    step time over b's), listed beside the pooled ratio."""
+    row = {"shape": "moe", "status": "ok", "seq_len": 4096, "micro_batch_size": 1, "tag": "ab"}
+    a = row | {"variant": "mcore_te_full", "tokens_per_s_per_gpu": 10.0, "repeat_medians": [0.2, 0.3, 0.25]}
+    b = row | {"variant": "twinkle_full", "tokens_per_s_per_gpu": 9.9, "repeat_medians": [0.21, 0.3, 0.24]}
+    doc = report.summarize({"results": [a, b]})
+    pairs = doc["ratios"]["moe seq4096 mbs1 [ab]"]["b_over_a_tokens_per_s_pairs"]
+    assert pairs == pytest.approx([0.2 / 0.21, 1.0, 0.25 / 0.24])
+    assert "- moe seq4096 mbs1 [ab], b_over_a_tokens_per_s: 0.952, 1.000, 1.042 (median 1.000)" in (
+        report.paired_lines(doc["ratios"])
+    )
+    b["repeat_medians"] = [0.2]  # runs that do not pair up: no pairs
+    assert (
+        "b_over_a_tokens_per_s_pairs"
+        not in report.summarize({"results": [a, b]})["ratios"]["moe seq4096 mbs1 [ab]"]
+    )
+
+
+def test_cpu_lists_round_trip():
+    """The CPU-list format of sysfs (``local_cpulist``) and taskset, both ways."""
+    assert _parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert _cpu_list({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"
+    assert _cpu_list(_parse_cpu_list("5")) == "5"
 
 
 @pytest.mark.gpu

@@ -254,6 +254,75 @@ def test_te_frozen_experts_on_grouped_mm_match_te_grouped_linear(lora_checkpoint
     assert worst <= GRAD_REL, worst
 
 
+def test_te_routed_adapters_keep_no_routed_activation(lora_checkpoints, gpu, monkeypatch):
+    """Qwen3-MoE, LoRA all-linear, bf16, megatron's all-to-all dispatcher with its fused permute: fc1's
+    adapters keep the router's input and rebuild the permuted tokens in backward (recompute
+    .RoutedTokens, its bit-for-bit first-use check passes on TE's permute), fc2's input is recomputed
+    (megatron's moe_act, mlp.LoraGroupedMLP). Loss and adapter gradients equal those of the adapters
+    keeping both inputs, bit for bit, and the forward leaves at least 90 % of those inputs' bytes less
+    allocated ([tokens × top-k, hidden + moe_ffn] bf16 per layer)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the adapters' grouped GEMMs run on sm90 (H100/H200) only")
+    from test_lora_support import VOCAB, randomize_megatron, tokens
+
+    import twinkle_specs as ts
+    from twinkle_specs import LoraConfig
+    from twinkle_specs.lora import adapter_parameters
+    from twinkle_specs.lora import mlp as lora_mlp
+    from twinkle_specs.lora.recompute import RoutedTokens
+
+    model = ts.build_model(
+        lora_checkpoints("qwen3_moe"),
+        lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        moe_grouped_gemm=True,
+        moe_permute_fusion=True,
+        moe_token_dispatcher_type="alltoall",
+    )
+    randomize_megatron(model)
+    experts = [m for m in model.modules() if isinstance(m, lora_mlp.LoraGroupedMLP)]
+    recipes = [e.linear_fc1.lora_input_recipe for e in experts]
+    assert experts and all(isinstance(r, RoutedTokens) for r in recipes)
+    toks = tokens(s=64).cuda()
+    pos = torch.arange(toks.shape[1], device="cuda").expand_as(toks)
+
+    def step():
+        for p in adapter_parameters(model):
+            p.grad = None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        logits = model(toks, pos, None)[..., :VOCAB].float()
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), toks[:, 1:].reshape(-1))
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in adapter_parameters(model)], held
+
+    loss, grads, held = step()
+    assert all(r.checked and r.ok for r in recipes), "the routed tokens are not the router input in order"
+    assert all(e.activation_recompute for e in experts)
+    for e in experts:
+        e.linear_fc1.lora_input_recipe = None
+    monkeypatch.setattr(lora_mlp, "recompute_allowed", lambda: False)
+    plain_loss, plain_grads, plain_held = step()
+    assert not any(e.activation_recompute for e in experts)
+    config = model.config
+    routed = toks.numel() * config.moe_router_topk
+    inputs = 2 * routed * (config.hidden_size + config.moe_ffn_hidden_size) * config.num_layers
+    EVIDENCE.record(
+        "routed_adapters_memory",
+        held_bytes=held,
+        plain_held_bytes=plain_held,
+        adapter_inputs_bytes=inputs,
+        loss=loss,
+        plain_loss=plain_loss,
+    )
+    assert loss == plain_loss
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    assert plain_held - held >= 0.9 * inputs, (plain_held, held, inputs)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs with Transformer Engine (TP=2)")
 def test_te_tp2_sequence_parallel_matches_peft(lora_checkpoints, tmp_path):
     import peft

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +39,12 @@ def expert_delta_grouped(
     splits: list[int],
     scaling: float,
     ends: torch.Tensor | None = None,
+    recipe: tuple | None = None,
 ) -> torch.Tensor:
     """The same delta with two grouped GEMMs for all experts (``torch._grouped_mm``, offsets = the
     token blocks' ends, :func:`group_ends`; an expert without tokens is an empty group and gets zero
-    gradients) and one ``scaling`` multiply of the rank-r activation.
+    gradients) and one ``scaling`` multiply of the rank-r activation. With a ``recipe`` ``(source,
+    fn)``, ``fn(source) == x``, the A GEMM keeps ``source`` instead of ``x`` (:class:`GroupedLowRankDown`).
 
     Why this and not a padded ``bmm``: the grouped GEMM reads the routed tokens where they are, while a
     padded bmm copies every block into an [experts, max tokens, hidden] buffer (and back), sized by the
@@ -50,10 +53,48 @@ def expert_delta_grouped(
     there are none, the offsets end at ``x.shape[0]``.
     """
     offs = group_ends(splits, x.device) if ends is None else ends
-    h = torch._grouped_mm(x, a.transpose(-2, -1), offs=offs)
+    h = GroupedLowRankDown.apply(x, a, offs, *(recipe or (None, None)))
     if scaling != 1.0:
         h = h * scaling
     return torch._grouped_mm(h, b.transpose(-2, -1), offs=offs)
+
+
+class GroupedLowRankDown(torch.autograd.Function):
+    """``x_e @ A_eᵀ`` for every expert's token block: the routed adapters' A GEMM, one grouped GEMM.
+
+    Its backward forms the products autograd forms for ``torch._grouped_mm`` (the input gradient
+    ``dh_e @ A_e``, the factor's ``dh_eᵀ @ x_e``), so the gradients are those of the plain op; what
+    differs is what it keeps. ``x`` (all routed tokens, [tokens × top-k, hidden] for an expert fc1) is
+    the largest tensor an adapted expert would save, and the frozen base keeps none of it. Given a
+    recipe (``source``, ``fn``: ``fn(source)`` reproduces ``x`` bit for bit, e.g. the MoE layer's input
+    gathered in routing order, :class:`~twinkle_specs.lora.recompute.RoutedTokens`) it keeps ``source``
+    and rebuilds ``x`` in backward.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        ends: torch.Tensor,
+        source: torch.Tensor | None,
+        fn: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor:
+        ctx.fn = fn
+        ctx.save_for_backward(x if fn is None else source, a, ends)
+        return torch._grouped_mm(x, a.transpose(-2, -1), offs=ends)
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        saved, a, ends = ctx.saved_tensors
+        dh = dh.contiguous()
+        dx = da = None
+        if ctx.needs_input_grad[1]:
+            x = saved if ctx.fn is None else ctx.fn(saved)
+            da = torch._grouped_mm(dh.t(), x, offs=ends)
+        if ctx.needs_input_grad[0]:
+            dx = torch._grouped_mm(dh, a, offs=ends)
+        return dx, da, None, None, None
 
 
 class FrozenGroupedMM(torch.autograd.Function):

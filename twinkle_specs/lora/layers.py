@@ -64,7 +64,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from .config import SITE_SLOTS, SlotSpec
 from .functions import AddLowRank, Gather, GradLink, IntoBaseGrad, LowRankDown
-from .recompute import InputRecipe, recompute_allowed
+from .recompute import InputRecipe, RoutedTokens, recompute_allowed
 
 
 class LoraLayerMixin:
@@ -77,7 +77,7 @@ class LoraLayerMixin:
     lora_parallel: str
     # set by prepare_lora_model where the module producing this linear's input is known (a norm before
     # linear_qkv or linear_fc1, linear_fc1 before linear_fc2): a recipe for the A GEMM's saved input
-    lora_input_recipe: InputRecipe | None = None
+    lora_input_recipe: InputRecipe | RoutedTokens | None = None
 
     def _init_lora(
         self,

@@ -1,4 +1,5 @@
-"""megatron-core's MLP with the adapters of its ``linear_fc1`` and ``linear_fc2`` folded into SwiGLU.
+"""megatron-core's MLPs with adapted ``linear_fc1``/``linear_fc2``: the dense MLP folds the adapters into
+SwiGLU, the routed experts' MLP drops fc2's adapter input after use.
 
 An adapted fc1 would add its delta ``h @ Bᵀ`` to its [tokens, 2·ffn] output in place (a read and a
 write of that whole tensor) just before SwiGLU reads it again, and in backward SwiGLU's gradient, fc1's
@@ -6,6 +7,12 @@ B gradient, fc2's recomputed input, fc2's A gradient and fc2's input-gradient su
 FFN-size tensor. Where megatron runs its fused SwiGLU (``bias_activation_fusion``, plain SwiGLU, no bias
 or per-token scale), :class:`LoraMLP` does all of that in :func:`~twinkle_specs.lora.swiglu.swiglu_lora`'s
 two kernels (bench/results/2026-11-23-h100-s8 measures it). Anything else runs megatron's own forward.
+
+:class:`LoraGroupedMLP`: the routed experts' fc2 adapter would save its input, the weighted SwiGLU
+output ([tokens × top-k, moe_ffn] per layer), which the frozen grouped base does not keep. megatron
+already knows how to drop that tensor after fc2 and recompute it before fc2's backward from fc1's output
+and the routing probabilities, which the activation keeps for its own backward: its ``moe_act``
+selective recompute (``tensor_parallel.CheckpointWithoutOutput``). The adapted experts turn it on.
 """
 
 from __future__ import annotations
@@ -15,10 +22,12 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from .functions import GradLink
 from .layers import LoraLayerMixin
 from .model import swiglu_fn
+from .recompute import recompute_allowed
 from .swiglu import swiglu_lora, swiglu_lora_forward
 
 
@@ -55,3 +64,33 @@ class LoraMLP(MLP):
             fn = functools.partial(swiglu_lora_forward, h=h.detach(), b=b.detach())
             fc2.lora_input_recipe.hand(pre, fn)
         return fc2(act)
+
+
+class LoraGroupedMLP(TEGroupedMLP):
+    """TE grouped-GEMM experts with adapted fc1/fc2 whose fc2 adapter input is recomputed, not kept (see
+    the module docstring): megatron's ``moe_act`` recompute runs whenever fc2's adapter does, unless
+    fp8/fp4 (megatron then needs fc2 to keep its unquantized input, set up at construction) or saved-
+    tensor hooks of a checkpoint or offloading own the saves."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if getattr(self.config, "use_transformer_engine_op_fuser", False):
+            raise ValueError(
+                "LoRA on routed experts needs megatron's TEGroupedMLP forward, which calls linear_fc1 and "
+                "linear_fc2; use_transformer_engine_op_fuser (--use-transformer-engine-op-fuser) runs the "
+                "experts as fused TE ops that skip the adapters. Turn it off, or leave the experts out of "
+                "target_modules."
+            )
+        self.lora_megatron_recompute = self.activation_recompute  # what the config asked for
+
+    def forward(self, *args: Any, **kwargs: Any):
+        fc2 = self.linear_fc2
+        drop_fc2_input = (
+            isinstance(fc2, LoraLayerMixin)
+            and fc2.lora_active()
+            and not (self.config.fp8 or self.config.fp4)
+            and torch.is_grad_enabled()
+            and recompute_allowed()
+        )
+        self.activation_recompute = self.lora_megatron_recompute or drop_fc2_input
+        return super().forward(*args, **kwargs)

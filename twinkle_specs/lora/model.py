@@ -12,7 +12,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 
 from ..parallel import is_adapter_param, model_chunks
 from .layers import LoraBank, LoraLayerMixin
-from .recompute import InputRecipe
+from .recompute import InputRecipe, RoutedTokens
 
 
 def lora_modules(model) -> Iterator[tuple[int, str, LoraLayerMixin]]:
@@ -162,7 +162,8 @@ def link_input_recipes(chunk: torch.nn.Module) -> None:
     """Gives each adapted linear whose input's producer is known an :class:`InputRecipe` (idempotent):
     an MLP's ``linear_fc2`` (from its ``linear_fc1`` through plain SwiGLU), and a layer's ``linear_qkv``
     and dense ``linear_fc1`` from the norm before them where that norm is a module of its own (the
-    portable spec, and the TE spec as LoRA builds it: :mod:`twinkle_specs.lora.spec`)."""
+    portable spec, and the TE spec as LoRA builds it: :mod:`twinkle_specs.lora.spec`); the routed
+    experts' grouped ``linear_fc1`` a :class:`RoutedTokens` from the router, where that holds."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -181,6 +182,42 @@ def link_input_recipes(chunk: torch.nn.Module) -> None:
         fc1, fc2 = getattr(module, "linear_fc1", None), getattr(module, "linear_fc2", None)
         if isinstance(fc2, LoraLayerMixin):
             _link(fc1, fc2, swiglu_fn(module.config), f"{name}.linear_fc2", from_input=False)
+        fc1 = getattr(getattr(module, "experts", None), "linear_fc1", None)
+        if isinstance(fc1, LoraLayerMixin) and fc1.lora_num_gemms and not fc1.lora_input_recipe:
+            if _routed_tokens_are_gathered(module):
+                recipe = RoutedTokens(f"{name}.experts.linear_fc1")
+                module.router.register_forward_hook(recipe.put)
+                fc1.lora_input_recipe = recipe
+
+
+def _routed_tokens_are_gathered(moe: Any) -> bool:
+    """Whether a MoE layer's routed experts see the router's input gathered in routing order and
+    nothing else (:class:`~twinkle_specs.lora.recompute.RoutedTokens`): megatron's all-to-all or
+    all-gather dispatcher with one expert-parallel and one expert-tensor-parallel rank (no tokens from
+    other ranks), no capacity (dropped or padded tokens), no fp8/fp4 padding, no latent projection or
+    probabilities applied to the input, and no CUDA graph (a captured router does not run its hooks)."""
+    config, dispatcher = moe.config, getattr(moe, "token_dispatcher", None)
+    if getattr(moe, "router", None) is None or dispatcher is None:
+        return False
+    if config.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+        return False
+    if dispatcher.ep_size != 1 or dispatcher.tp_size != 1:
+        return False
+    changed = (
+        "moe_expert_capacity_factor",
+        "moe_pad_expert_input_to_capacity",
+        "moe_router_padding_for_quantization",
+        "moe_router_padding_for_fp8",
+        "moe_latent_size",
+        "moe_apply_probs_on_input",
+        "fp8",
+        "fp4",
+        "enable_cuda_graph",
+        "external_cuda_graph",
+    )
+    if any(getattr(config, field, None) for field in changed):
+        return False
+    return getattr(config, "cuda_graph_impl", "none") in (None, "none")
 
 
 def merge_lora(model) -> None:

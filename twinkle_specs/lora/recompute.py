@@ -12,6 +12,7 @@ the adapted linear that consumes its output.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -74,3 +75,64 @@ class InputRecipe:
             if not self.ok:
                 log.warning("%s: the adapter input is not fn(source); it is saved as is", self.name)
         return (source, self.fn) if self.ok and widths == self.widths else None
+
+
+def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``source``'s rows at ``index``: the routed experts' fc1 input rebuilt from the MoE layer's input."""
+    return source.index_select(0, index)
+
+
+class RoutedTokens:
+    """A recipe for the routed experts' fc1 input: the MoE layer's input, gathered in routing order.
+
+    megatron's dispatcher permutes the MoE layer's input so that each expert's tokens are contiguous,
+    experts in order and tokens ascending within an expert (``moe_utils.permute``, fused or not): with
+    expert parallelism and expert tensor parallelism off, the experts' input is the router's input
+    ``h`` [tokens, hidden] at ``index``, the token number of each (expert, token) pair of the routing
+    map taken expert-major. That input is top-k times larger than ``h`` ([32768, 2048] against [4096,
+    2048] per layer on the Qwen3-30B-A3B shape) and ``h`` is kept anyway (the router's GEMM saves it),
+    so fc1's adapter keeps ``h`` and ``index`` and gathers its input again in backward.
+
+    A forward hook on the router (:meth:`put`) records ``h`` and the routing map; fc1's adapter
+    :meth:`take`s them in the same layer's forward (``nonzero_static`` with fc1's row count, so no
+    host sync). The first use checks bit for bit that the gather reproduces fc1's input (a dispatcher
+    that orders or pads tokens otherwise fails it); if not, this recipe switches itself off and the
+    adapter saves its input as before.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (router input, routing map)
+        self.checked = self.ok = False
+
+    def put(self, _router: torch.nn.Module, inputs: tuple, output: tuple) -> None:
+        """The router's forward hook: ``router(h) -> (probs, routing_map)``."""
+        self.pending = (inputs[0], output[1])
+
+    def drop(self) -> None:
+        """Forgets the router's record (an adapter that does not run takes none)."""
+        self.pending = None
+
+    def take(self, x: torch.Tensor) -> tuple | None:
+        """``(source, fn)`` with ``fn(source) == x`` for fc1's input ``x``, or None; drops the record."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        hidden, routing_map = pending
+        source = hidden.reshape(-1, hidden.shape[-1])
+        if routing_map.dim() != 2 or routing_map.shape[0] != source.shape[0] or x.dim() != 2:
+            return None
+        if source.shape[-1] != x.shape[-1] or source.dtype != x.dtype or not x.shape[0]:
+            return None
+        index = torch.nonzero_static(routing_map.t(), size=x.shape[0])[:, 1].contiguous()
+        fn = functools.partial(gather_rows, index=index)
+        if not self.checked:
+            self.checked = True
+            with torch.no_grad():
+                self.ok = torch.equal(fn(source), x)
+            if not self.ok:
+                log.warning(
+                    "%s: the experts' input is not the router's input in routing order; it is saved as is",
+                    self.name,
+                )
+        return (source, fn) if self.ok else None

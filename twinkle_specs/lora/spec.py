@@ -10,6 +10,7 @@ from typing import Any
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -150,9 +151,14 @@ def lora_layer_submodules(
     mlp = submodules.mlp
     mlp_sub = _submodules(mlp)
     if isinstance(mlp_sub, MoESubmodules):
+        experts = _wrap_mlp(mlp_sub.experts, "experts.", sites, p)
+        if experts is not mlp_sub.experts and _class_of(experts) is TEGroupedMLP:
+            from .mlp import LoraGroupedMLP  # fc2's adapter input recomputed, not kept
+
+            experts = _with_class(experts, LoraGroupedMLP)
         mlp_sub = dataclasses.replace(
             mlp_sub,
-            experts=_wrap_mlp(mlp_sub.experts, "experts.", sites, p),
+            experts=experts,
             shared_experts=mlp_sub.shared_experts and _wrap_mlp(mlp_sub.shared_experts, "", sites, p),
             router=_wrap(mlp_sub.router, "router", sites, p),
         )

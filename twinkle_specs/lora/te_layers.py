@@ -30,6 +30,7 @@ from .experts import (
     grouped_mm_fits,
 )
 from .layers import LoraLayerMixin, LoraLinearMixin
+from .recompute import recompute_allowed
 
 
 class LoraTEColumnParallelLinear(LoraLinearMixin, TEColumnParallelLinear):
@@ -77,13 +78,15 @@ class _LoraTEGroupedLinear(LoraLayerMixin):
         else:
             ends = None
             out, bias = super().forward(x, m_splits)
+        recipe = self.lora_input_recipe.take(x) if self.lora_input_recipe else None
         if not self.lora_active():
             return out, bias
         (slot,) = self.lora_slots  # routed-expert sites have one slot (gate_up_proj, down_proj)
         a, b, scaling = self.lora_param("A"), self.lora_param("B"), self.lora_spec[slot].scaling
         # One grouped GEMM per factor where torch has it for these tensors (CUDA sm90, bf16), else the loop.
         if grouped_mm_fits(x, splits, a, b):
-            delta = expert_delta_grouped(x, a, b, splits, scaling, ends)
+            recipe = recipe if recompute_allowed() else None
+            delta = expert_delta_grouped(x, a, b, splits, scaling, ends, recipe)
         else:
             delta = expert_delta_loop(x, a, b, splits, scaling)
         return out + delta.to(out.dtype), bias
