@@ -125,7 +125,9 @@ def test_te_lora_matches_peft(kind, targets, extra, dtype, lora_checkpoints, gpu
         **fp32_router(kind, dtype),
     ).eval()
     wrappers = {type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Lora")}
-    assert wrappers and all("TE" in w or w in ("LoraTopKRouter", "LoraMLP") for w in wrappers), wrappers
+    assert wrappers and all(
+        "TE" in w or w in ("LoraTopKRouter", "LoraMLP", "LoraGroupedMLP") for w in wrappers
+    ), wrappers
     before = _logits(model, tokens(s=64))
     ts.load_peft_adapter(model, tmp_path)
     ours = _logits(model, tokens(s=64))
