@@ -209,17 +209,13 @@ def test_te_bf16_training_with_full_recompute(lora_checkpoints, gpu):
             assert torch.equal(p, base[n]), f"unmerge did not restore {n} exactly"
 
 
-def test_te_frozen_experts_on_grouped_mm_match_te_grouped_linear(lora_checkpoints, gpu, monkeypatch):
-    """Qwen3-MoE, LoRA all-linear, TE grouped-GEMM experts in bf16: the frozen experts' base on torch's
-    grouped GEMM (experts.FrozenGroupedMM) gives the loss and adapter gradients of TE's GroupedLinear
-    (max |Δ| <= 1e-2 of the largest gradient, loss within 1e-2), and it is the path that ran."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the grouped-GEMM base runs on sm90 (H100/H200) only")
-    from test_lora_support import VOCAB, randomize_megatron, tokens
+def _qwen3_moe_lora_bf16(lora_checkpoints, **overrides) -> tuple:
+    """Qwen3-MoE with LoRA r=8 all-linear in bf16 on TE grouped-GEMM experts, the adapters randomised
+    (B != 0: they change the output and get full gradients), and 64 tokens with their positions."""
+    from test_lora_support import randomize_megatron, tokens
 
     import twinkle_specs as ts
     from twinkle_specs import LoraConfig
-    from twinkle_specs.lora import adapter_parameters, te_layers
 
     model = ts.build_model(
         lora_checkpoints("qwen3_moe"),
@@ -227,19 +223,36 @@ def test_te_frozen_experts_on_grouped_mm_match_te_grouped_linear(lora_checkpoint
         params_dtype=torch.bfloat16,
         bf16=True,
         moe_grouped_gemm=True,
-        **fp32_router("qwen3_moe", torch.bfloat16),
+        **overrides,
     )
-    randomize_megatron(model)  # B != 0: the adapters change the output and get full gradients
+    randomize_megatron(model)
+    toks = tokens(s=64).cuda()
+    return model, toks, torch.arange(toks.shape[1], device="cuda").expand_as(toks)
+
+
+def _next_token_loss(model, toks: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    from test_lora_support import VOCAB
+
+    logits = model(toks, pos, None)[..., :VOCAB].float()
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), toks[:, 1:].reshape(-1))
+
+
+def test_te_frozen_experts_on_grouped_mm_match_te_grouped_linear(lora_checkpoints, gpu, monkeypatch):
+    """Qwen3-MoE, LoRA all-linear, TE grouped-GEMM experts in bf16: the frozen experts' base on torch's
+    grouped GEMM (experts.FrozenGroupedMM) gives the loss and adapter gradients of TE's GroupedLinear
+    (max |Δ| <= 1e-2 of the largest gradient, loss within 1e-2), and it is the path that ran."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the grouped-GEMM base runs on sm90 (H100/H200) only")
+    from twinkle_specs.lora import adapter_parameters, te_layers
+
+    model, toks, pos = _qwen3_moe_lora_bf16(lora_checkpoints)
     grouped = [m for m in model.modules() if isinstance(m, te_layers._LoraTEGroupedLinear)]
     assert grouped
-    toks = tokens(s=64).cuda()
-    pos = torch.arange(toks.shape[1], device="cuda").expand_as(toks)
 
     def loss_and_grads():
         for p in adapter_parameters(model):
             p.grad = None
-        logits = model(toks, pos, None)[..., :VOCAB].float()
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), toks[:, 1:].reshape(-1))
+        loss = _next_token_loss(model, toks, pos)
         loss.backward()
         return loss.item(), [p.grad.float().clone() for p in adapter_parameters(model)]
 
@@ -265,37 +278,23 @@ def test_te_routed_adapters_keep_no_routed_activation(lora_checkpoints, gpu, mon
     allocated ([tokens × top-k, hidden + moe_ffn] bf16 per layer)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the adapters' grouped GEMMs run on sm90 (H100/H200) only")
-    from test_lora_support import VOCAB, randomize_megatron, tokens
-
-    import twinkle_specs as ts
-    from twinkle_specs import LoraConfig
     from twinkle_specs.lora import adapter_parameters
     from twinkle_specs.lora import mlp as lora_mlp
     from twinkle_specs.lora.recompute import RoutedTokens
 
-    model = ts.build_model(
-        lora_checkpoints("qwen3_moe"),
-        lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
-        params_dtype=torch.bfloat16,
-        bf16=True,
-        moe_grouped_gemm=True,
-        moe_permute_fusion=True,
-        moe_token_dispatcher_type="alltoall",
+    model, toks, pos = _qwen3_moe_lora_bf16(
+        lora_checkpoints, moe_permute_fusion=True, moe_token_dispatcher_type="alltoall"
     )
-    randomize_megatron(model)
     experts = [m for m in model.modules() if isinstance(m, lora_mlp.LoraGroupedMLP)]
     recipes = [e.linear_fc1.lora_input_recipe for e in experts]
     assert experts and all(isinstance(r, RoutedTokens) for r in recipes)
-    toks = tokens(s=64).cuda()
-    pos = torch.arange(toks.shape[1], device="cuda").expand_as(toks)
 
     def step():
         for p in adapter_parameters(model):
             p.grad = None
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        logits = model(toks, pos, None)[..., :VOCAB].float()
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), toks[:, 1:].reshape(-1))
+        loss = _next_token_loss(model, toks, pos)
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - before
         loss.backward()
