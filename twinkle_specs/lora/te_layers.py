@@ -6,7 +6,8 @@ plain TE linear (:mod:`twinkle_specs.lora.spec`), so that the adapter shares the
 backward with the base. Grouped-GEMM experts hold per-expert factors stacked on dim 0 and apply them
 to each expert's token block (``m_splits``) with torch's grouped GEMM where it runs (CUDA sm90, bf16),
 else one expert at a time; there their frozen base runs as one grouped GEMM too, not TE's GEMM per
-expert (:mod:`.experts`).
+expert (:mod:`.experts`), and an expert fc1's adapter keeps the router's input instead of the routed
+tokens where it is linked to the router (:class:`~twinkle_specs.lora.recompute.RoutedTokens`).
 """
 
 from __future__ import annotations
