@@ -229,3 +229,22 @@ def test_op_fuser_experts_refuse_adapters(te, single_rank):  # noqa: F811
     never run: building adapted experts with it is an error that says what to change."""
     with pytest.raises(ValueError, match="use_transformer_engine_op_fuser"):
         _moe_layer(te, use_transformer_engine_op_fuser=True)
+
+
+def test_merged_fc1_drops_the_routers_record(te, single_rank, cpu_recompute, monkeypatch):  # noqa: F811
+    """With fc1's adapter merged the router's record is dropped unused (no gather index, no check), so
+    nothing stale is left for a later forward; unmerged, the next forward takes and checks it."""
+    moe = _moe_layer(te)
+    monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: True)
+    link_input_recipes(moe)
+    fc1 = moe.experts.linear_fc1
+    recipe = fc1.lora_input_recipe
+    x = torch.randn(TOKENS // 2, 2, HIDDEN)
+    fc1.merge()
+    with torch.no_grad():
+        moe(x)
+    assert recipe.pending is None and not recipe.checked
+    fc1.unmerge()
+    with torch.no_grad():
+        moe(x)
+    assert recipe.pending is None and recipe.checked and recipe.ok

@@ -79,9 +79,11 @@ class _LoraTEGroupedLinear(LoraLayerMixin):
         else:
             ends = None
             out, bias = super().forward(x, m_splits)
-        recipe = self.lora_input_recipe.take(x) if self.lora_input_recipe else None
         if not self.lora_active():
+            if self.lora_input_recipe:
+                self.lora_input_recipe.drop()  # merged: the router's record goes unused
             return out, bias
+        recipe = self.lora_input_recipe.take(x) if self.lora_input_recipe else None
         (slot,) = self.lora_slots  # routed-expert sites have one slot (gate_up_proj, down_proj)
         a, b, scaling = self.lora_param("A"), self.lora_param("B"), self.lora_spec[slot].scaling
         # One grouped GEMM per factor where torch has it for these tensors (CUDA sm90, bf16), else the loop.
