@@ -645,15 +645,23 @@ def _drop_page_cache(files: list[Path]) -> bool:
 
 
 def time_load(model, hf_dir: Path) -> dict[str, Any]:
-    """HF safetensors -> Megatron parameters on this rank: seconds and bytes read vs checkpoint size."""
+    """HF safetensors -> Megatron parameters on this rank: seconds and bytes read vs checkpoint size.
+
+    The model gets its own initial weights back afterwards, so (b) trains on the same kind of weights as (a)
+    (megatron's initialisation), not on the checkpoint's: GEMM speed depends a little on the values (power),
+    and (b)/(a) is to measure the spec alone."""
     from twinkle_specs.loading import load_hf_weights
 
+    initial = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
     dropped = _drop_page_cache(sorted(hf_dir.glob("*.safetensors")))
     _sync()
     t0 = time.perf_counter()
     report = load_hf_weights(model, hf_dir)
     _sync()
     seconds = time.perf_counter() - t0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(initial.pop(name))
     return {
         "seconds": seconds,
         "bytes_read": report.bytes_read,

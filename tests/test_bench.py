@@ -317,6 +317,20 @@ def test_kernel_diff_of_the_profiled_variants(cpu_run):
     assert kernel_diff.kernel_tables(cut) == {"s__v__t": {"kern<long": (0.75, 3.0)}}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU proof; the GPU test covers the device")
+def test_timed_load_leaves_the_initial_weights(cpu_run, tmp_path):
+    """(b) times the HF load, then trains on megatron's initial weights like (a): its losses are those of a
+    run that loaded nothing (the checkpoint's random weights would give others)."""
+    _, _, doc = cpu_run
+    (loaded,) = [r for r in doc["results"] if r["variant"] == "twinkle_full"]
+    assert loaded["load"]["bytes_read"] > 0
+    argv = ["--preset", "tiny", "--in-process", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]
+    assert main(argv + ["--variants", "twinkle_full", "--no-load", "--load-layouts", ","]) == 0
+    (plain,) = json.loads((tmp_path / "o" / "results.json").read_text())["results"]
+    assert "load" not in plain
+    assert plain["losses"] == loaded["losses"]
+
+
 def test_cpu_child_process_moe(tmp_path):
     """The default mode (one child process per variant, as on the GPU) on the tiny MoE shape."""
     cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--preset", "tiny", "--shapes", "tiny-qwen3-moe"]
