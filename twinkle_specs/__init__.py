@@ -1,15 +1,15 @@
 """twinkle-specs: Hugging Face Qwen models in stock Megatron-LM (megatron-core ModuleSpecs, HF weights)."""
 
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
-
 
 def _import_patches():
     """``twinkle_specs.patches`` is the top-level ``patches/`` folder (pyproject maps it). An install has it in
     place; a source checkout first on ``sys.path`` (``bench/run.py``, ``PYTHONPATH=$REPO``) does not, so it
     is loaded from ``$REPO/patches`` under the same name."""
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
     try:
         return importlib.import_module(f"{__name__}.patches")
     except ModuleNotFoundError as err:
