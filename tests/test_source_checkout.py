@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """
 import json, sys
-sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]  # as if not installed
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1:2]
+sys.path += sys.argv[2:]  # site-packages without its .pth files (python -S): no install of ours maps names
 import twinkle_specs
 from twinkle_specs.patches import rope_on_host
 print(json.dumps({"package": twinkle_specs.__file__, "patches": sys.modules["twinkle_specs.patches"].__file__,
@@ -24,7 +25,11 @@ print(json.dumps({"package": twinkle_specs.__file__, "patches": sys.modules["twi
 
 def test_source_checkout_first_on_sys_path_loads_the_repo_patches(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, str(ROOT)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        [sys.executable, "-S", "-c", PROBE, str(ROOT), *site.getsitepackages()],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
