@@ -149,6 +149,30 @@ class PhaseClock:
 CLOCK = PhaseClock()
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic GC off while timing, as megatron's --manual-gc does in pretrain_gpt.py: a gen-2
+    collection over a model's worth of objects lands in a random step (host-bound MoE steps varied
+    ±25 % between runs without this, bench/results/2026-11-23-h100-s9); the same for every variant."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def _memory(mem_before: int) -> dict[str, float]:
+    return {
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / GiB,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB,
+        "memory_before_step_gib": mem_before / GiB,
+        "step_memory_gib": (torch.cuda.max_memory_allocated() - mem_before) / GiB,
+    }
+
+
 def time_steps(step, warmup: int, steps: int) -> dict[str, Any]:
     """Runs ``warmup`` untimed and ``steps`` timed iterations, without a host sync between timed
     iterations (CUDA events on a GPU: each step's time is event i to event i+1, and :class:`PhaseClock`
@@ -156,35 +180,28 @@ def time_steps(step, warmup: int, steps: int) -> dict[str, Any]:
     of the timed loop, peak memory and losses."""
     losses = [float(step()) for _ in range(warmup)]
     _sync()
-    # Python's cyclic GC off while timing, as megatron's --manual-gc does in pretrain_gpt.py: a gen-2
-    # collection over a model's worth of objects lands in a random step (host-bound MoE steps varied
-    # ±25 % between runs without this, bench/results/2026-11-23-h100-s9); the same for every variant.
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    mem_before = None
-    if on_gpu():
-        torch.cuda.reset_peak_memory_stats()
-        mem_before = torch.cuda.memory_allocated()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-        CLOCK.steps = []
-    outs = []
-    t0 = time.perf_counter()
-    marks = [t0]
-    for i in range(steps):
+    with _gc_paused():
+        mem_before = None
         if on_gpu():
-            events[i].record()
-            CLOCK.steps.append([])
-        outs.append(step())
-        if on_gpu():
-            if i == steps - 1:
-                events[steps].record()
-        else:
-            marks.append(time.perf_counter())
-    _sync()
-    wall = time.perf_counter() - t0
-    gc.enable()
-    gc.unfreeze()
+            torch.cuda.reset_peak_memory_stats()
+            mem_before = torch.cuda.memory_allocated()
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+            CLOCK.steps = []
+        outs = []
+        t0 = time.perf_counter()
+        marks = [t0]
+        for i in range(steps):
+            if on_gpu():
+                events[i].record()
+                CLOCK.steps.append([])
+            outs.append(step())
+            if on_gpu():
+                if i == steps - 1:
+                    events[steps].record()
+            else:
+                marks.append(time.perf_counter())
+        _sync()
+        wall = time.perf_counter() - t0
     phases = None
     if on_gpu():
         times = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(steps)]
@@ -197,13 +214,74 @@ def time_steps(step, warmup: int, steps: int) -> dict[str, Any]:
     if phases:
         result["phase_time_s"] = phases
     if on_gpu():
-        result |= {
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / GiB,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB,
-            "memory_before_step_gib": mem_before / GiB,
-            "step_memory_gib": (torch.cuda.max_memory_allocated() - mem_before) / GiB,
-        }
+        result |= _memory(mem_before)
     return result
+
+
+def interleaved_order(names: list[str], round_: int) -> list[str]:
+    """Round ``round_``'s order: as given, then reversed (a b, b a, a b, ...), so no variant always
+    steps right after another one's step (the caches, allocator and clocks it leaves behind)."""
+    return list(names) if round_ % 2 == 0 else list(reversed(names))
+
+
+def time_interleaved(steps: dict[str, Any], warmup: int, n: int) -> dict[str, dict[str, Any]]:
+    """Times several variants in one process, one step of each per round (:func:`interleaved_order`).
+
+    Separate processes on the device's VM differ in host speed by up to 38 % on host-bound shapes
+    (identical runs of (a), bench/results/2026-11-23-h100-s12), which drowns a 2 % comparison; step
+    by step in one process, that drift falls on every variant alike. Each step is timed from an event
+    before it to one after it (no host sync in between); phases as in :func:`time_steps`. Memory
+    figures are the process's, with every variant's model resident."""
+    names = list(steps)
+    losses: dict[str, list[float]] = {v: [] for v in names}
+    for i in range(warmup):
+        for v in interleaved_order(names, i):
+            losses[v].append(float(steps[v]()))
+    _sync()
+    clocks: dict[str, list] = {v: [] for v in names}
+    marks: dict[str, list[tuple[Any, Any]]] = {v: [] for v in names}
+    outs: dict[str, list] = {v: [] for v in names}
+
+    def mark():
+        if not on_gpu():
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    with _gc_paused():
+        mem_before = None
+        if on_gpu():
+            torch.cuda.reset_peak_memory_stats()
+            mem_before = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        for i in range(n):
+            for v in interleaved_order(names, i):
+                start = mark()
+                if on_gpu():
+                    CLOCK.steps = clocks[v]
+                    CLOCK.steps.append([])
+                outs[v].append(steps[v]())
+                marks[v].append((start, mark()))
+        CLOCK.steps = None
+        _sync()
+        wall = time.perf_counter() - t0
+    results = {}
+    for v in names:
+        result: dict[str, Any] = {"timed_wall_s": wall, "gc": "off while timed"}
+        if on_gpu():
+            times = [a.elapsed_time(b) / 1e3 for a, b in marks[v]]
+            CLOCK.steps = clocks[v]
+            result["phase_time_s"] = CLOCK.spans([b for _, b in marks[v]])
+            CLOCK.steps = None
+            result |= _memory(mem_before)
+            del result["step_memory_gib"]  # the largest of all variants' steps: no one variant's
+        else:
+            times = [b - a for a, b in marks[v]]
+        result |= {"step_time_s": spread(times), "losses": losses[v] + [float(x) for x in outs[v]]}
+        result["interleaved_with"] = names
+        results[v] = result
+    return results
 
 
 def activation_memory(forward, finish) -> dict[str, float]:
@@ -520,7 +598,10 @@ def _megatron_optimizer(s: Settings, model, config):
     )
 
 
-def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: str) -> dict[str, Any]:
+def _prepare_megatron(variant: str, hf_dir: Path, s: Settings) -> tuple[dict[str, Any], Any, Any, Any]:
+    """Builds one Megatron variant (seeded afresh: its initial weights do not depend on what was built
+    before it in this process) with its optimizer and data, CUDA graphs captured if asked. Returns the
+    result so far, ``step()``, ``forward()`` and ``backward_and_update(loss)``."""
     from twinkle_specs.hf_config import qwen_arch_from_hf
 
     init_megatron(s)
@@ -617,6 +698,11 @@ def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: st
         # pre-hooks, which exist only with overlap_param_gather (DDP asserts so when one is called).
         te_graphs.create_cudagraphs()
     result["step"] = "forward + backward" + (" + optimizer step" if variant != "twinkle_frozen" else "")
+    return result, step, forward, backward_and_update
+
+
+def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: str) -> dict[str, Any]:
+    result, step, forward, backward_and_update = _prepare_megatron(variant, hf_dir, s)
     result |= time_steps(step, s.warmup, s.steps)
     if s.cuda_graphs == "none":
         result |= activation_memory(forward, backward_and_update)
@@ -784,13 +870,12 @@ class Task:
         return cls(**(d | {"settings": Settings(**d["settings"])}))
 
 
-def run_task(task: Task) -> dict[str, Any]:
-    """Runs one variant; never raises (errors are recorded in the result)."""
-    s, hf_dir = task.settings, Path(task.hf_dir)
-    base: dict[str, Any] = {
+def _base(task: Task, variant: str) -> dict[str, Any]:
+    s = task.settings
+    return {
         "shape": task.shape,
-        "variant": task.variant,
-        "label": VARIANTS[task.variant],
+        "variant": variant,
+        "label": VARIANTS[variant],
         "tag": task.tag,
         "seq_len": s.seq_len,
         "micro_batch_size": s.micro_batch_size,
@@ -798,6 +883,27 @@ def run_task(task: Task) -> dict[str, Any]:
         "dtype": s.dtype,
         "device": torch.cuda.get_device_name() if on_gpu() else "cpu",
     }
+
+
+def _error(err: Exception) -> dict[str, Any]:
+    return {
+        "status": "error",
+        "error": f"{type(err).__name__}: {err}",
+        "traceback": traceback.format_exc()[-4000:],
+    }
+
+
+def _release_memory() -> None:
+    with contextlib.suppress(Exception):
+        gc.collect()
+        if on_gpu():
+            torch.cuda.empty_cache()
+
+
+def run_task(task: Task) -> dict[str, Any]:
+    """Runs one variant; never raises (errors are recorded in the result)."""
+    s, hf_dir = task.settings, Path(task.hf_dir)
+    base = _base(task, task.variant)
     reason = skip_reason(task.variant)
     if reason:
         return base | {"status": "skipped", "reason": reason}
@@ -807,18 +913,38 @@ def run_task(task: Task) -> dict[str, Any]:
     try:
         measured = runner(task.variant, hf_dir, s, Path(task.out_dir), name)
     except Exception as err:  # noqa: BLE001  (recorded; the other variants still run)
-        return base | {
-            "status": "error",
-            "error": f"{type(err).__name__}: {err}",
-            "traceback": traceback.format_exc()[-4000:],
-        }
+        return base | _error(err)
     finally:
-        with contextlib.suppress(Exception):
-            gc.collect()
-            if on_gpu():
-                torch.cuda.empty_cache()
+        _release_memory()
     out = base | {"status": "ok", "wall_s": time.perf_counter() - t0} | measured
     return out | derived_metrics(out, hf_dir, s)
+
+
+def run_interleaved(task: Task, variants: list[str]) -> list[dict[str, Any]]:
+    """Megatron ``variants`` built side by side in this process and timed step by step in turn
+    (:func:`time_interleaved`); one result per variant, as :func:`run_task` gives. Errors while running
+    are recorded in the results; settings that cannot be interleaved raise ValueError (run.py checks)."""
+    s, hf_dir = task.settings, Path(task.hf_dir)
+    if s.load or s.profile or s.cuda_graphs != "none" or any(v.startswith("hf_") for v in variants):
+        raise ValueError("interleaving times Megatron variants, eager, without load timing or profiler")
+    skipped = {v: reason for v in variants if (reason := skip_reason(v))}
+    runnable = [v for v in variants if v not in skipped]
+    results = {v: _base(task, v) | {"status": "skipped", "reason": r} for v, r in skipped.items()}
+    t0 = time.perf_counter()
+    try:
+        prepared = {v: _prepare_megatron(v, hf_dir, s)[0:2] for v in runnable}
+        timed = time_interleaved({v: step for v, (_, step) in prepared.items()}, s.warmup, s.steps)
+    except Exception as err:  # noqa: BLE001  (recorded, as run_task does)
+        results |= {v: _base(task, v) | _error(err) for v in runnable}
+        return [results[v] for v in variants]
+    finally:
+        _release_memory()
+    wall = time.perf_counter() - t0
+    for v in runnable:
+        out = _base(task, v) | {"status": "ok", "wall_s": wall} | prepared[v][0] | timed[v]
+        out["activation_memory_note"] = "not measured when interleaved (every variant's model is resident)"
+        results[v] = out | derived_metrics(out, hf_dir, s)
+    return [results[v] for v in variants]
 
 
 def derived_metrics(r: dict[str, Any], hf_dir: Path, s: Settings) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,9 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
             pairs = _paired(by_variant.get(num, {}), by_variant.get(den, {}))
             if metric == "tokens_per_s_per_gpu" and pairs:
                 row[f"{name}_pairs"] = pairs
+            rounds = _rounds(by_variant.get(num, {}), by_variant.get(den, {}))
+            if metric == "tokens_per_s_per_gpu" and rounds:
+                row[f"{name}_rounds"] = rounds
         out[group_name(key)] = row
     return out
 
@@ -64,6 +68,26 @@ def _paired(num: dict[str, Any], den: dict[str, Any]) -> list[float] | None:
     if not a or not b or len(a) != len(b):
         return None
     return [tb / ta for ta, tb in zip(a, b, strict=True)]
+
+
+def _rounds(num: dict[str, Any], den: dict[str, Any]) -> dict[str, float | int] | None:
+    """For rows timed together (``--interleave``): the throughput ratio of each round's two steps (den's
+    step time over num's; they ran in one process, a moment apart), as median and 10th-90th percentile."""
+    together = set(num.get("interleaved_with") or ()) & set(den.get("interleaved_with") or ())
+    a, b = num.get("step_time_s", {}).get("all"), den.get("step_time_s", {}).get("all")
+    if not {num.get("variant"), den.get("variant")} <= together or not a or not b or len(a) != len(b):
+        return None
+    per_round = sorted(tb / ta for ta, tb in zip(a, b, strict=True))
+
+    def pct(p: float) -> float:
+        return per_round[round(p * (len(per_round) - 1))]
+
+    return {
+        "median": statistics.median(per_round),
+        "p10": pct(0.1),
+        "p90": pct(0.9),
+        "rounds": len(per_round),
+    }
 
 
 def targets(results: list[dict[str, Any]], ratio_table: dict[str, dict]) -> list[dict[str, Any]]:
@@ -150,7 +174,17 @@ def paired_lines(ratio_table: dict[str, dict]) -> list[str]:
             median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
             values = ", ".join(f"{p:.3f}" for p in pairs)
             lines.append(f"- {group}, {name}: {values} (median {median:.3f})")
-    return ["", "Per interleaved repeat (each pair ran back to back):", "", *lines] if lines else []
+    out = ["", "Per interleaved repeat (each pair ran back to back):", "", *lines] if lines else []
+    rounds = [
+        f"- {group}, {name}: median {r['median']:.3f} over {r['rounds']} rounds "
+        f"(10th–90th percentile {r['p10']:.3f}–{r['p90']:.3f})"
+        for group, row in ratio_table.items()
+        for name, *_ in RATIOS
+        if (r := row.get(f"{name}_rounds"))
+    ]
+    if rounds:
+        out += ["", "Step by step in one process (`--interleave`), each round's ratio:", "", *rounds]
+    return out
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -184,6 +218,7 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in doc["results"]:
         tag = f" [{r['tag']}]" if r.get("tag") else ""  # groups of one shape told apart
         tag += f" @{_commit(doc, r)}" if len(commits) > 1 else ""
+        tag += " (interleaved; memory: all models)" if r.get("interleaved_with") else ""
         head = f"| {r['shape']} | {r['seq_len']} | {r['micro_batch_size']} | {r['label']}{tag} "
         if r.get("status") != "ok":
             lines.append(

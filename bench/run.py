@@ -3,7 +3,8 @@
     python bench/run.py --preset quick --out /tmp/bench --export "$OUT"
 
 Each (shape, variant) runs in its own child process (clean CUDA memory statistics, megatron global
-state and CUDA-graph state); ``--in-process`` runs them in this process instead (the CPU test).
+state and CUDA-graph state); ``--in-process`` runs them in this process instead (the CPU test), and
+``--interleave`` runs all Megatron variants of a shape in one child process, step by step in turn.
 Results merge into ``<out>/results.json`` (same shape/variant/seq/mbs/tag replaced), and
 ``results.md`` and ``results.png`` are rewritten from it, so a long benchmark can be split over
 several calls that share ``--out``.
@@ -125,6 +126,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run the variant list this many times, interleaved (a b c.. a b c..): pooled step times, "
         "per-run medians in repeat_medians (run-to-run noise, e.g. for the 2%% (b)/(a) target)",
     )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="build the (Megatron, eager) variants side by side in one process and time them step by "
+        "step in turn (a b, b a, ..): host drift between processes falls on all alike; needs memory "
+        "for every model at once; no load timing, profiler or activation memory",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "latest")
     ap.add_argument("--work", type=Path, default=Path("/tmp/twinkle-bench"), help="configs and checkpoints")
     ap.add_argument("--export", type=Path, help="copy results.{json,md,png}, run.log, profile.txt here")
@@ -165,6 +173,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for s in args.shapes:
         if s not in SHAPES:
             ap.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
+    if args.interleave:
+        hf = [v for v in args.variants if v.startswith("hf_")]
+        if hf or len(args.variants) < 2:
+            ap.error(f"--interleave takes two or more Megatron variants (not {', '.join(hf) or 'one'})")
+        if args.cuda_graphs != "none" or args.profile:
+            ap.error("--interleave runs eager and unprofiled: drop --cuda-graphs / --profile")
+        args.no_load, args.load_layouts = True, []  # load timing is its own measurement
     return args
 
 
@@ -332,11 +347,13 @@ def _settings(args, on_gpu: bool):
 
 
 def _child_main(task_json: str, result_json: str) -> int:
-    from bench.harness import Task, make_checkpoint, run_task
+    from bench.harness import Task, make_checkpoint, run_interleaved, run_task
 
     task = json.loads(Path(task_json).read_text())
     if task.get("kind") == "checkpoint":
         result = make_checkpoint(Path(task["hf_dir"]))
+    elif task.get("kind") == "interleaved":
+        result = {"results": run_interleaved(Task.from_dict(task["task"]), task["variants"])}
     else:
         result = run_task(Task.from_dict(task))
     Path(result_json).write_text(json.dumps(result, indent=1, default=str))
@@ -420,6 +437,19 @@ def _run_child(payload: dict, name: str, args, log) -> dict:
         "error": f"child process exited {rc} after {time.perf_counter() - t0:.0f} s without a result",
         "log_tail": output[-3000:],
     }
+
+
+def _run_unit(task, variants: list[str], name: str, args, log) -> list[dict]:
+    """One result per variant: ``task`` alone, or ``variants`` interleaved in one process."""
+    from bench.harness import run_interleaved, run_task
+
+    if not args.interleave:
+        return [run_task(task) if args.in_process else _run_child(task.as_dict(), name, args, log)]
+    if args.in_process:
+        return run_interleaved(task, variants)
+    payload = {"kind": "interleaved", "task": task.as_dict(), "variants": variants}
+    got = _run_child(payload, name, args, log)
+    return got["results"] if "results" in got else [dict(got) for _ in variants]
 
 
 def _tail_lines(text: str, n: int) -> str:
@@ -545,40 +575,37 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     info = _run_child(payload, f"{name}__checkpoint", args, log)
                 print(f"[bench] {name}: checkpoint {info}", flush=True)
-            for repeat, variant in [(r, v) for r in range(args.repeats) for v in args.variants]:
+            # one unit per child process: a variant, or with --interleave all of them together
+            units = [[v] for v in args.variants] if not args.interleave else [list(args.variants)]
+            for repeat, variants in [(r, u) for r in range(args.repeats) for u in units]:
                 from bench.harness import Task
 
-                task = Task(name, variant, str(hf_dir), settings, str(args.out), args.tag)
-                tag = f"{name}__{variant}" + (f"__{args.tag}" if args.tag else "")
+                task = Task(name, variants[0], str(hf_dir), settings, str(args.out), args.tag)
+                suffix = (f"__{args.tag}" if args.tag else "") + (f"__r{repeat}" if repeat else "")
                 if repeat:
                     task.settings = dataclasses.replace(settings, load=False, profile=False)
-                    tag += f"__r{repeat}"
-                print(f"[bench] {tag} ...", flush=True)
-                if args.in_process:
-                    from bench.harness import run_task
-
-                    result = run_task(task)
-                else:
-                    result = _run_child(task.as_dict(), tag, args, log)
-                    result.setdefault("shape", name)
-                    result.setdefault("variant", variant)
-                    result.setdefault("label", variant)
+                unit = f"{name}__{'+'.join(variants)}{suffix}"
+                print(f"[bench] {unit} ...", flush=True)
+                for variant, result in zip(variants, _run_unit(task, variants, unit, args, log), strict=True):
+                    tag = f"{name}__{variant}{suffix}"
+                    for key, value in (("shape", name), ("variant", variant), ("label", variant)):
+                        result.setdefault(key, value)
                     result.setdefault("seq_len", settings.seq_len)
                     result.setdefault("micro_batch_size", settings.micro_batch_size)
                     result.setdefault("tag", args.tag)
-                result["command"] = command
-                result["date_utc"] = doc["date_utc"]
-                result["git_commit"] = doc["environment"]["git_commit"]  # merged files mix trees
-                earlier = [r for r in fresh_results if _key(r) == _key(result)]
-                if earlier:
-                    combine_repeat(earlier[0], result)
-                else:
-                    result["repeats"] = 1
-                    fresh_results.append(result)
-                print(f"[bench] {tag}: {_one_line(result)}", flush=True)
-                log.write(f"[bench] {tag}: {_one_line(result)}\n")
-                log.flush()
-                # write after every variant: a call cut short still leaves what it measured
+                    result["command"] = command
+                    result["date_utc"] = doc["date_utc"]
+                    result["git_commit"] = doc["environment"]["git_commit"]  # merged files mix trees
+                    earlier = [r for r in fresh_results if _key(r) == _key(result)]
+                    if earlier:
+                        combine_repeat(earlier[0], result)
+                    else:
+                        result["repeats"] = 1
+                        fresh_results.append(result)
+                    print(f"[bench] {tag}: {_one_line(result)}", flush=True)
+                    log.write(f"[bench] {tag}: {_one_line(result)}\n")
+                    log.flush()
+                # write after every unit: a call cut short still leaves what it measured
                 keys = {_key(r) for r in fresh_results}
                 doc["results"] = [r for r in previous if _key(r) not in keys] + fresh_results
                 write_outputs(doc, args.out)

@@ -331,6 +331,69 @@ def test_timed_load_leaves_the_initial_weights(cpu_run, tmp_path):
     assert plain["losses"] == loaded["losses"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU proof; the GPU test covers the device")
+def test_interleaved_variants_train_as_they_would_alone(cpu_run, tmp_path):
+    """--interleave builds the variants side by side in one process and steps them in turn: each one's
+    losses are those of its own run in cpu_run (same initial weights, same data, no cross-talk)."""
+    _, _, doc = cpu_run
+    alone = {r["variant"]: r for r in doc["results"]}
+    variants = ["twinkle_full", "twinkle_lora", "twinkle_frozen"]
+    argv = ["--preset", "tiny", "--in-process", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]
+    assert main(argv + ["--interleave", "--variants", ",".join(variants)]) == 0
+    results = json.loads((tmp_path / "o" / "results.json").read_text())["results"]
+    assert [r["variant"] for r in results] == variants
+    for r in results:
+        assert r["status"] == "ok", r
+        assert r["interleaved_with"] == variants
+        assert len(r["step_time_s"]["all"]) == 2 and "load" not in r
+        assert r["losses"] == alone[r["variant"]]["losses"], r["variant"]
+
+
+def test_interleaving_alternates_the_order_every_round():
+    """One step of each variant per round, the order reversed every round (warm-up rounds too); each
+    variant's results hold only its own steps and losses."""
+    from bench.harness import time_interleaved
+
+    calls: list[str] = []
+
+    def stepper(name: str, loss: float):
+        def step():
+            calls.append(name)
+            return torch.tensor(loss)
+
+        return step
+
+    timed = time_interleaved({"a": stepper("a", 1.0), "b": stepper("b", 2.0), "c": stepper("c", 3.0)}, 1, 3)
+    assert calls == ["a", "b", "c"] + ["a", "b", "c"] + ["c", "b", "a"] + ["a", "b", "c"]
+    assert timed["b"]["losses"] == [2.0] * 4 and timed["c"]["interleaved_with"] == ["a", "b", "c"]
+    assert all(len(timed[v]["step_time_s"]["all"]) == 3 for v in "abc")
+
+
+def test_interleave_refuses_what_it_cannot_time_together():
+    for extra in (["--variants", "twinkle_full,hf_peft_lora"], ["--variants", "twinkle_full"]):
+        with pytest.raises(SystemExit):
+            main(["--preset", "tiny", "--interleave", *extra])
+    with pytest.raises(SystemExit):
+        main(["--preset", "tiny", "--interleave", "--variants", "twinkle_full,twinkle_lora", "--profile"])
+
+
+def test_cpu_child_process_interleaved_moe(tmp_path):
+    """--interleave through a child process (as on the GPU), on the tiny MoE shape."""
+    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--preset", "tiny", "--shapes", "tiny-qwen3-moe"]
+    cmd += ["--variants", "twinkle_full,twinkle_lora", "--interleave", "--tag", "ab"]
+    cmd += ["--out", str(tmp_path / "o"), "--work", str(tmp_path)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={"CUDA_VISIBLE_DEVICES": ""} | _env()
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "o" / "results.json").read_text())["results"]
+    assert [(r["variant"], r["status"]) for r in results] == [("twinkle_full", "ok"), ("twinkle_lora", "ok")]
+    for r in results:
+        _check_ok_result(r)
+        assert r["interleaved_with"] == ["twinkle_full", "twinkle_lora"]
+    assert "(interleaved; memory: all models)" in (tmp_path / "o" / "results.md").read_text()
+
+
 def test_cpu_child_process_moe(tmp_path):
     """The default mode (one child process per variant, as on the GPU) on the tiny MoE shape."""
     cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--preset", "tiny", "--shapes", "tiny-qwen3-moe"]
@@ -433,6 +496,28 @@ def test_report_pairs_interleaved_repeats():
     )
 
 
+def test_report_pairs_interleaved_steps():
+    """Rows timed together (--interleave) get each round's (b)/(a) (a's step time over b's, same
+    round), as median and percentiles; rows timed apart get none."""
+    row = {"shape": "moe", "status": "ok", "seq_len": 4096, "micro_batch_size": 1, "tag": "il"}
+    both = ["mcore_te_full", "twinkle_full"]
+    a = row | {"variant": both[0], "tokens_per_s_per_gpu": 10.0, "interleaved_with": both}
+    b = row | {"variant": both[1], "tokens_per_s_per_gpu": 9.9, "interleaved_with": both}
+    a["step_time_s"] = {"all": [0.30, 0.20, 0.40, 0.25, 0.22]}
+    b["step_time_s"] = {"all": [0.30, 0.25, 0.40, 0.20, 0.22]}
+    doc = report.summarize({"results": [a, b]})
+    rounds = doc["ratios"]["moe seq4096 mbs1 [il]"]["b_over_a_tokens_per_s_rounds"]
+    assert rounds == {"median": 1.0, "p10": pytest.approx(0.8), "p90": pytest.approx(1.25), "rounds": 5}
+    assert "- moe seq4096 mbs1 [il], b_over_a_tokens_per_s: median 1.000 over 5 rounds" in "\n".join(
+        report.paired_lines(doc["ratios"])
+    )
+    del b["interleaved_with"]
+    assert (
+        "b_over_a_tokens_per_s_rounds"
+        not in report.summarize({"results": [a, b]})["ratios"]["moe seq4096 mbs1 [il]"]
+    )
+
+
 def test_cpu_lists_round_trip():
     """The CPU-list format of sysfs (``local_cpulist``) and taskset, both ways."""
     assert _parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
@@ -440,18 +525,25 @@ def test_cpu_lists_round_trip():
     assert _cpu_list(_parse_cpu_list("5")) == "5"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine")
-def test_gpu_harness_small(tmp_path):
-    """All variants through the default child-process mode on the GPU, at a small shape."""
-    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--preset", "tiny", "--seq", "256"]
+def _gpu_bench_small(tmp_path: Path, *extra: str) -> dict:
+    """bench/run.py on the GPU at the tiny shapes (seq 256), every row ok; the results document."""
+    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--preset", "tiny", "--seq", "256", *extra]
     cmd += ["--shapes", "tiny-qwen3,tiny-qwen3-moe", "--out", str(tmp_path / "o"), "--work", str(tmp_path)]
-    cmd += ["--variants", "mcore_te_full,twinkle_full,twinkle_lora,hf_peft_lora,twinkle_frozen", "--profile"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((tmp_path / "o" / "results.json").read_text())
     for r in doc["results"]:
         assert r["status"] == "ok", (r["shape"], r["variant"], r.get("error"), r.get("traceback"))
+    return doc
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine")
+def test_gpu_harness_small(tmp_path):
+    """All variants through the default child-process mode on the GPU, at a small shape."""
+    variants = "mcore_te_full,twinkle_full,twinkle_lora,hf_peft_lora,twinkle_frozen"
+    doc = _gpu_bench_small(tmp_path, "--variants", variants, "--profile")
+    for r in doc["results"]:
         assert r["peak_memory_gib"] > 0 and r["mfu"] is not None
         if not r["variant"].startswith("hf_"):
             assert r["impl"] == "transformer_engine"
@@ -464,6 +556,24 @@ def test_gpu_harness_small(tmp_path):
         )
         total = sum(t["median"] for t in phases.values())
         assert total == pytest.approx(r["step_time_s"]["median"], rel=0.15), (r["variant"], phases)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine")
+def test_gpu_interleaved_small(tmp_path):
+    """(a) and (b) interleaved in one child process on the GPU, dense and MoE: both train, each step's
+    phases tile it, and the report pairs their steps round by round."""
+    doc = _gpu_bench_small(
+        tmp_path, "--steps", "6", "--variants", "mcore_te_full,twinkle_full", "--interleave"
+    )
+    for r in doc["results"]:
+        assert r["impl"] == "transformer_engine"
+        assert r["interleaved_with"] == ["mcore_te_full", "twinkle_full"]
+        total = sum(t["median"] for t in r["phase_time_s"].values())
+        assert total == pytest.approx(r["step_time_s"]["median"], rel=0.15), (r["variant"], r["phase_time_s"])
+    for shape in ("tiny-qwen3", "tiny-qwen3-moe"):
+        rounds = doc["ratios"][f"{shape} seq256 mbs1"]["b_over_a_tokens_per_s_rounds"]
+        assert rounds["rounds"] == 6 and rounds["median"] > 0
 
 
 class _Stamp:
