@@ -12,7 +12,6 @@ import contextlib
 import gc
 import math
 import os
-import statistics
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -23,6 +22,7 @@ import torch
 from torch.profiler import record_function
 
 from .flops import peak_flops, step_flops
+from .stats import spread
 
 VARIANTS = {
     "mcore_te_full": "(a) megatron-core TE spec, full fine-tune",
@@ -93,27 +93,6 @@ def _sync() -> None:
 # --------------------------------------------------------------------------------------------- timing
 
 
-def spread(values: list[float]) -> dict[str, Any]:
-    """Median and spread of per-step times (seconds)."""
-    ordered = sorted(values)
-
-    def pct(p: float) -> float:
-        k = (len(ordered) - 1) * p
-        lo, hi = math.floor(k), math.ceil(k)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-    return {
-        "median": statistics.median(values),
-        "mean": statistics.fmean(values),
-        "min": ordered[0],
-        "max": ordered[-1],
-        "p10": pct(0.1),
-        "p90": pct(0.9),
-        "std": statistics.pstdev(values),
-        "all": values,
-    }
-
-
 class PhaseClock:
     """Where each step's time goes on the GPU's timeline, without a profiler or a host sync.
 
@@ -164,58 +143,11 @@ def _gc_paused():
         gc.unfreeze()
 
 
-def _memory(mem_before: int) -> dict[str, float]:
-    return {
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / GiB,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB,
-        "memory_before_step_gib": mem_before / GiB,
-        "step_memory_gib": (torch.cuda.max_memory_allocated() - mem_before) / GiB,
-    }
-
-
 def time_steps(step, warmup: int, steps: int) -> dict[str, Any]:
-    """Runs ``warmup`` untimed and ``steps`` timed iterations, without a host sync between timed
-    iterations (CUDA events on a GPU: each step's time is event i to event i+1, and :class:`PhaseClock`
-    splits it into forward / backward / optimizer). Returns per-step and per-phase times, the wall time
-    of the timed loop, peak memory and losses."""
-    losses = [float(step()) for _ in range(warmup)]
-    _sync()
-    with _gc_paused():
-        mem_before = None
-        if on_gpu():
-            torch.cuda.reset_peak_memory_stats()
-            mem_before = torch.cuda.memory_allocated()
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-            CLOCK.steps = []
-        outs = []
-        t0 = time.perf_counter()
-        marks = [t0]
-        for i in range(steps):
-            if on_gpu():
-                events[i].record()
-                CLOCK.steps.append([])
-            outs.append(step())
-            if on_gpu():
-                if i == steps - 1:
-                    events[steps].record()
-            else:
-                marks.append(time.perf_counter())
-        _sync()
-        wall = time.perf_counter() - t0
-    phases = None
-    if on_gpu():
-        times = [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(steps)]
-        phases = CLOCK.spans(events[1:])
-        CLOCK.steps = None
-    else:
-        times = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-    losses += [float(x) for x in outs]
-    result = {"step_time_s": spread(times), "timed_wall_s": wall, "losses": losses, "gc": "off while timed"}
-    if phases:
-        result["phase_time_s"] = phases
-    if on_gpu():
-        result |= _memory(mem_before)
-    return result
+    """Runs ``warmup`` untimed and ``steps`` timed iterations of one variant (:func:`time_interleaved`
+    with nothing to interleave). Returns per-step and per-phase times, the wall time of the timed loop,
+    peak memory and losses."""
+    return time_interleaved({"": step}, warmup, steps)[""]
 
 
 def interleaved_order(names: list[str], round_: int) -> list[str]:
@@ -225,13 +157,14 @@ def interleaved_order(names: list[str], round_: int) -> list[str]:
 
 
 def time_interleaved(steps: dict[str, Any], warmup: int, n: int) -> dict[str, dict[str, Any]]:
-    """Times several variants in one process, one step of each per round (:func:`interleaved_order`).
+    """Times one or several variants in one process, one step of each per round
+    (:func:`interleaved_order`), without a host sync between timed steps.
 
     Separate processes on the device's VM differ in host speed by up to 38 % on host-bound shapes
     (identical runs of (a), bench/results/2026-11-23-h100-s12), which drowns a 2 % comparison; step
-    by step in one process, that drift falls on every variant alike. Each step is timed from an event
-    before it to one after it (no host sync in between); phases as in :func:`time_steps`. Memory
-    figures are the process's, with every variant's model resident."""
+    by step in one process, that drift falls on every variant alike. On a GPU each step is timed from
+    a CUDA event before it to one after it, and :class:`PhaseClock` splits it into forward / backward /
+    optimizer. Memory figures are the process's, with every variant's model resident."""
     names = list(steps)
     losses: dict[str, list[float]] = {v: [] for v in names}
     for i in range(warmup):
@@ -274,12 +207,19 @@ def time_interleaved(steps: dict[str, Any], warmup: int, n: int) -> dict[str, di
             CLOCK.steps = clocks[v]
             result["phase_time_s"] = CLOCK.spans([b for _, b in marks[v]])
             CLOCK.steps = None
-            result |= _memory(mem_before)
-            del result["step_memory_gib"]  # the largest of all variants' steps: no one variant's
+            peak = torch.cuda.max_memory_allocated()
+            result |= {
+                "peak_memory_gib": peak / GiB,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB,
+                "memory_before_step_gib": mem_before / GiB,
+            }
+            if len(names) == 1:  # with several, the largest of all variants' steps: no one variant's
+                result["step_memory_gib"] = (peak - mem_before) / GiB
         else:
             times = [b - a for a, b in marks[v]]
         result |= {"step_time_s": spread(times), "losses": losses[v] + [float(x) for x in outs[v]]}
-        result["interleaved_with"] = names
+        if len(names) > 1:
+            result["interleaved_with"] = names
         results[v] = result
     return results
 

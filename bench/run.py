@@ -638,7 +638,7 @@ def combine_repeat(first: dict, again: dict) -> None:
     """Folds a repeated run of the same variant into ``first``: all step times pooled (median and
     spread over them, phase spans too), each run's median kept in ``repeat_medians``, memory the larger
     peak."""
-    from bench.harness import spread
+    from bench.stats import spread
 
     if first.get("status") != "ok" or again.get("status") != "ok":
         first.setdefault("repeat_errors", []).append(
