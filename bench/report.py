@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Any
+
+from .stats import spread
 
 SCHEMA_VERSION = 1
 
@@ -72,22 +73,14 @@ def _paired(num: dict[str, Any], den: dict[str, Any]) -> list[float] | None:
 
 def _rounds(num: dict[str, Any], den: dict[str, Any]) -> dict[str, float | int] | None:
     """For rows timed together (``--interleave``): the throughput ratio of each round's two steps (den's
-    step time over num's; they ran in one process, a moment apart), as median and 10th-90th percentile."""
+    step time over num's; they ran in one process, a moment apart), as median and 10th-90th percentile
+    (interpolated, as every spread here)."""
     together = set(num.get("interleaved_with") or ()) & set(den.get("interleaved_with") or ())
     a, b = num.get("step_time_s", {}).get("all"), den.get("step_time_s", {}).get("all")
     if not {num.get("variant"), den.get("variant")} <= together or not a or not b or len(a) != len(b):
         return None
-    per_round = sorted(tb / ta for ta, tb in zip(a, b, strict=True))
-
-    def pct(p: float) -> float:
-        return per_round[round(p * (len(per_round) - 1))]
-
-    return {
-        "median": statistics.median(per_round),
-        "p10": pct(0.1),
-        "p90": pct(0.9),
-        "rounds": len(per_round),
-    }
+    per_round = spread([tb / ta for ta, tb in zip(a, b, strict=True)])
+    return {key: per_round[key] for key in ("median", "p10", "p90")} | {"rounds": len(a)}
 
 
 def targets(results: list[dict[str, Any]], ratio_table: dict[str, dict]) -> list[dict[str, Any]]:
