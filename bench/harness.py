@@ -115,10 +115,12 @@ class PhaseClock:
         with record_function(name):
             yield
 
-    def spans(self, ends: list) -> dict[str, dict[str, Any]]:
-        """Per phase, its spans over the timed steps (seconds); ``ends[i]`` ends step ``i``'s last phase."""
+    @staticmethod
+    def spans(steps: list[list[tuple[str, Any]]], ends: list) -> dict[str, dict[str, Any]]:
+        """Per phase, its spans over the recorded ``steps`` (seconds); ``ends[i]`` ends step ``i``'s last
+        phase."""
         per_phase: dict[str, list[float]] = {}
-        for marks, end in zip(self.steps or [], ends, strict=True):
+        for marks, end in zip(steps, ends, strict=True):
             stops = [e for _, e in marks[1:]] + [end]
             for (name, start), stop in zip(marks, stops, strict=True):
                 per_phase.setdefault(name, []).append(start.elapsed_time(stop) / 1e3)
@@ -199,22 +201,22 @@ def time_interleaved(steps: dict[str, Any], warmup: int, n: int) -> dict[str, di
         CLOCK.steps = None
         _sync()
         wall = time.perf_counter() - t0
+    memory: dict[str, float] = {}
+    if on_gpu():
+        peak = torch.cuda.max_memory_allocated()
+        memory = {
+            "peak_memory_gib": peak / GiB,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB,
+            "memory_before_step_gib": mem_before / GiB,
+        }
+        if len(names) == 1:  # with several, the largest of all variants' steps: no one variant's
+            memory["step_memory_gib"] = (peak - mem_before) / GiB
     results = {}
     for v in names:
-        result: dict[str, Any] = {"timed_wall_s": wall, "gc": "off while timed"}
+        result: dict[str, Any] = {"timed_wall_s": wall, "gc": "off while timed"} | memory
         if on_gpu():
             times = [a.elapsed_time(b) / 1e3 for a, b in marks[v]]
-            CLOCK.steps = clocks[v]
-            result["phase_time_s"] = CLOCK.spans([b for _, b in marks[v]])
-            CLOCK.steps = None
-            peak = torch.cuda.max_memory_allocated()
-            result |= {
-                "peak_memory_gib": peak / GiB,
-                "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB,
-                "memory_before_step_gib": mem_before / GiB,
-            }
-            if len(names) == 1:  # with several, the largest of all variants' steps: no one variant's
-                result["step_memory_gib"] = (peak - mem_before) / GiB
+            result["phase_time_s"] = PhaseClock.spans(clocks[v], [b for _, b in marks[v]])
         else:
             times = [b - a for a, b in marks[v]]
         result |= {"step_time_s": spread(times), "losses": losses[v] + [float(x) for x in outs[v]]}

@@ -52,11 +52,11 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
         for name, num, den, metric, _ in RATIOS:
             a, b = by_variant.get(num, {}).get(metric), by_variant.get(den, {}).get(metric)
             row[name] = a / b if a is not None and b else None
-            pairs = _paired(by_variant.get(num, {}), by_variant.get(den, {}))
-            if metric == "tokens_per_s_per_gpu" and pairs:
+            if metric != "tokens_per_s_per_gpu":
+                continue  # run-to-run spreads are of throughput only
+            if pairs := _paired(by_variant.get(num, {}), by_variant.get(den, {})):
                 row[f"{name}_pairs"] = pairs
-            rounds = _rounds(by_variant.get(num, {}), by_variant.get(den, {}))
-            if metric == "tokens_per_s_per_gpu" and rounds:
+            if rounds := _rounds(by_variant.get(num, {}), by_variant.get(den, {})):
                 row[f"{name}_rounds"] = rounds
         out[group_name(key)] = row
     return out
@@ -163,10 +163,8 @@ def paired_lines(ratio_table: dict[str, dict]) -> list[str]:
             pairs = row.get(f"{name}_pairs")
             if not pairs:
                 continue
-            ordered = sorted(pairs)
-            median = (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
             values = ", ".join(f"{p:.3f}" for p in pairs)
-            lines.append(f"- {group}, {name}: {values} (median {median:.3f})")
+            lines.append(f"- {group}, {name}: {values} (median {spread(pairs)['median']:.3f})")
     out = ["", "Per interleaved repeat (each pair ran back to back):", "", *lines] if lines else []
     rounds = [
         f"- {group}, {name}: median {r['median']:.3f} over {r['rounds']} rounds "

@@ -452,6 +452,22 @@ def _run_unit(task, variants: list[str], name: str, args, log) -> list[dict]:
     return got["results"] if "results" in got else [dict(got) for _ in variants]
 
 
+def _stamp(
+    result: dict, shape: str, variant: str, settings, tag: str | None, command: str, doc: dict
+) -> None:
+    """What a row says of itself even when its child died before reporting it, and where it came from
+    (command, date, tree: merged files mix them)."""
+    defaults = {"shape": shape, "variant": variant, "label": variant, "seq_len": settings.seq_len}
+    defaults |= {"micro_batch_size": settings.micro_batch_size, "tag": tag}
+    for key, value in defaults.items():
+        result.setdefault(key, value)
+    result |= {
+        "command": command,
+        "date_utc": doc["date_utc"],
+        "git_commit": doc["environment"]["git_commit"],
+    }
+
+
 def _tail_lines(text: str, n: int) -> str:
     lines = [ln for ln in text.splitlines() if "warnings.warn" not in ln and "UserWarning" not in ln]
     return "\n".join(lines[-n:]) + "\n"
@@ -588,14 +604,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[bench] {unit} ...", flush=True)
                 for variant, result in zip(variants, _run_unit(task, variants, unit, args, log), strict=True):
                     tag = f"{name}__{variant}{suffix}"
-                    for key, value in (("shape", name), ("variant", variant), ("label", variant)):
-                        result.setdefault(key, value)
-                    result.setdefault("seq_len", settings.seq_len)
-                    result.setdefault("micro_batch_size", settings.micro_batch_size)
-                    result.setdefault("tag", args.tag)
-                    result["command"] = command
-                    result["date_utc"] = doc["date_utc"]
-                    result["git_commit"] = doc["environment"]["git_commit"]  # merged files mix trees
+                    _stamp(result, name, variant, settings, args.tag, command, doc)
                     earlier = [r for r in fresh_results if _key(r) == _key(result)]
                     if earlier:
                         combine_repeat(earlier[0], result)

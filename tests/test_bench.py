@@ -591,17 +591,16 @@ def test_phase_clock_spans_run_from_each_phase_to_the_next():
     """Each phase ends where the next begins; the last ends at the step's end event."""
     from bench.harness import PhaseClock
 
-    clock = PhaseClock()
-    clock.steps = [
+    steps = [
         [("forward", _Stamp(0)), ("backward", _Stamp(30)), ("optimizer", _Stamp(90))],
         [("forward", _Stamp(100)), ("backward", _Stamp(140)), ("optimizer", _Stamp(190))],
     ]
-    spans = clock.spans([_Stamp(100), _Stamp(215)])
+    spans = PhaseClock.spans(steps, [_Stamp(100), _Stamp(215)])
     assert spans["forward"]["all"] == pytest.approx([0.030, 0.040])
     assert spans["backward"]["all"] == pytest.approx([0.060, 0.050])
     assert spans["optimizer"]["all"] == pytest.approx([0.010, 0.025])
     with pytest.raises(ValueError):  # one end per step
-        clock.spans([_Stamp(100)])
+        PhaseClock.spans(steps, [_Stamp(100)])
 
 
 def test_parent_process_stays_light():
