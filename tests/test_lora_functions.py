@@ -20,22 +20,26 @@ S = 2.0  # the adapter's scaling
 
 
 class _Base(torch.autograd.Function):
-    """A frozen linear like TE's: returns a fresh input gradient, records it for the test."""
+    """A frozen linear like TE's: its input gradient is a fresh 2-D GEMM output, returned as TE does
+    (``dgrad.view(ctx.inp_shape)``, a reshape view) or, with ``strided``, as a strided view of a copy;
+    records the 2-D tensor for the test."""
 
     dgrads: list[torch.Tensor] = []
 
     @staticmethod
-    def forward(ctx, x, w, as_view: bool):
+    def forward(ctx, x, w, strided: bool):
         ctx.save_for_backward(w)
-        ctx.as_view = as_view
+        ctx.strided, ctx.shape = strided, x.shape
         return F.linear(x, w)
 
     @staticmethod
     def backward(ctx, grad):
         (w,) = ctx.saved_tensors
-        dx = grad @ w
+        dx = grad.reshape(-1, grad.shape[-1]) @ w
         _Base.dgrads.append(dx)
-        return (dx.transpose(0, 1).contiguous().transpose(0, 1) if ctx.as_view else dx), None, None
+        if ctx.strided:
+            return dx.view(ctx.shape).transpose(0, 1).contiguous().transpose(0, 1), None, None
+        return dx.view(ctx.shape), None, None
 
 
 def _tensors(dtype, seed=0):
@@ -57,12 +61,12 @@ def _grads(forward, x, w, a, b, grad):
     return [y.detach(), xs.grad, a_.grad, b_.grad]
 
 
-def _linked(as_view=False):
+def _linked(strided=False):
     def forward(x, w, a, b):
         link = GradLink()
         xb = IntoBaseGrad.apply(x, link)
         h = LowRankDown.apply(xb, a, link, None, None) * S
-        return AddLowRank.apply(_Base.apply(xb, w, as_view), h, b)
+        return AddLowRank.apply(_Base.apply(xb, w, strided), h, b)
 
     return forward
 
@@ -87,18 +91,29 @@ def test_adapter_input_gradient_joins_the_base_dgrad_in_place(dtype):
     got = _grads(_linked(), *tensors)
     want = _grads(_plain, *tensors)
     assert _rel(got, want) <= TOL[dtype]
-    assert torch.equal(_Base.dgrads[-1], got[1])  # the base's dgrad tensor itself now holds the sum
+    # the base's dgrad tensor itself (TE's reshape view of it reached IntoBaseGrad) now holds the sum
+    assert torch.equal(_Base.dgrads[-1].view(got[1].shape), got[1])
     # without the adapter's share the input gradient differs: the comparison above can fail
     assert _rel([F.linear(tensors[4], tensors[1].t())], [want[1]]) > 10 * TOL[dtype]
 
 
-def test_a_view_gradient_is_summed_out_of_place():
-    """Where the base's input gradient is a view, the sum is out of place (and still right)."""
+def test_a_strided_view_gradient_is_summed_out_of_place():
+    """Where the base's input gradient is a strided view, the sum is out of place (and still right)."""
     tensors = _tensors(torch.float32, seed=1)
     _Base.dgrads.clear()
-    got = _grads(_linked(as_view=True), *tensors)
+    got = _grads(_linked(strided=True), *tensors)
     assert _rel(got, _grads(_plain, *tensors)) <= TOL[torch.float32]
-    assert not torch.equal(_Base.dgrads[-1], got[1])  # the base's own dgrad was left alone
+    # the base's own dgrad was left alone
+    assert not torch.equal(_Base.dgrads[-1].view(got[1].shape), got[1])
+
+
+def test_only_whole_contiguous_gradients_are_summed_into():
+    """``_whole``: a tensor of its own or a reshape view of all of one; not a slice, not strided."""
+    from twinkle_specs.lora.functions import _whole
+
+    t = torch.zeros(4, 6)
+    assert _whole(t) and _whole(t.view(2, 2, 6)) and _whole(t.view(-1))
+    assert not _whole(t[:2]) and not _whole(t[1:].reshape(-1)) and not _whole(t.t())
 
 
 def test_without_a_link_the_a_gemm_returns_its_own_input_gradient():

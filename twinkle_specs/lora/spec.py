@@ -107,6 +107,17 @@ def _unfused(spec: Any) -> tuple[Any, Any] | None:
     return TENorm, _with_class(spec, TEColumnParallelLinear)
 
 
+def _qk_norm(spec: Any) -> Any:
+    """TE's q/k norm (TENorm) as :class:`~twinkle_specs.lora.norm.TorchRMSNorm`, whose backward skips
+    the frozen weight's gradient (see :mod:`.norm`); any other spec unchanged."""
+    base = _class_of(spec)
+    if base.__module__ != TE_MODULE or base.__name__ != "TENorm":
+        return spec
+    from .norm import TorchRMSNorm
+
+    return _with_class(spec, TorchRMSNorm)
+
+
 def _class_of(spec: Any) -> type:
     """The module class a spec (class, ModuleSpec or builder partial) builds."""
     return spec.module if isinstance(spec, ModuleSpec) else getattr(spec, "func", spec)
@@ -125,7 +136,8 @@ def lora_layer_submodules(
     submodules: TransformerLayerSubmodules, lora: LoraConfig, config: TransformerConfig
 ) -> TransformerLayerSubmodules:
     """``submodules`` with every linear that ``lora`` targets replaced by its LoRA wrapper (a targeted
-    norm-fused TE linear first split into its norm and a plain linear, see :func:`_unfused`).
+    norm-fused TE linear first split into its norm and a plain linear, see :func:`_unfused`), and TE's
+    q/k norms, frozen under LoRA, on torch's RMSNorm (:func:`_qk_norm`).
 
     Qwen3-MoE (MoE with q/k norm, among the supported Qwen models) is the fused-expert model on which
     peft maps gate/up/down_proj to the routed experts; Qwen2-MoE's MLP names mean its shared expert.
@@ -147,6 +159,8 @@ def lora_layer_submodules(
         attn_sub,
         linear_qkv=_wrap(qkv, "linear_qkv", sites, p),
         linear_proj=_wrap(attn_sub.linear_proj, "linear_proj", sites, p),
+        q_layernorm=_qk_norm(attn_sub.q_layernorm),
+        k_layernorm=_qk_norm(attn_sub.k_layernorm),
     )
     mlp = submodules.mlp
     mlp_sub = _submodules(mlp)
