@@ -1,6 +1,6 @@
-"""A frozen RMSNorm's forward + backward on one GPU: Transformer Engine's (``TENorm``, whose backward
-also computes the unused weight gradient) against twinkle_specs.lora.norm.TorchRMSNorm (torch's fused
-RMSNorm; the backward computes the input gradient only), CUDA-graph-replayed ms per call, as JSON lines.
+"""A frozen RMSNorm's forward + backward on one GPU, CUDA-graph-replayed ms per call, as JSON lines:
+Transformer Engine's (``TENorm``, whose backward also computes the unused weight gradient), torch's
+fused ``rms_norm`` and twinkle_specs.lora.norm.QKNorm (its Triton kernels: input gradient only).
 Shapes are a Qwen3-8B layer's at 4096 tokens: the q and k norms (rows of one 128-wide head) and the
 hidden-size norm.
 
@@ -13,11 +13,12 @@ import argparse
 import json
 
 import torch
+import torch.nn.functional as F
 from megatron.core.extensions.transformer_engine import TENorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 from swiglu_lora import graph_ms
 
-from twinkle_specs.lora.norm import TorchRMSNorm
+from twinkle_specs.lora.norm import QKNorm
 
 SHAPES = {"q_norm": (32, 128), "k_norm": (8, 128), "hidden_norm": (1, 4096)}  # (heads, width)
 
@@ -38,13 +39,14 @@ def main() -> None:
         x = torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
         dy = torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
         outs = {}
-        for impl, cls in (("te", TENorm), ("torch", TorchRMSNorm)):
+        for impl, cls in (("te", TENorm), ("torch", QKNorm), ("triton", QKNorm)):
             norm = cls(config=config, hidden_size=width, eps=1e-6).cuda()
             norm.weight.requires_grad_(False)
+            run = F.rms_norm if impl == "torch" else lambda t, n=norm: n(t)
 
-            def step(norm=norm, x=x, dy=dy):
+            def step(norm=norm, x=x, dy=dy, run=run, width=width):
                 x.grad = None
-                y = norm(x)
+                y = run(x, (width,), norm.weight, norm.eps) if run is F.rms_norm else run(x)
                 y.backward(dy)
                 return y
 
@@ -52,17 +54,15 @@ def main() -> None:
             print(
                 json.dumps({"norm": name, "impl": impl, "fwd_bwd_ms": round(graph_ms(step, args.iters), 4)})
             )
-        (y_te, dx_te), (y_t, dx_t) = outs["te"], outs["torch"]
-        print(
-            json.dumps(
-                {
-                    "norm": name,
-                    "max_abs_diff_out": (y_te.float() - y_t.float()).abs().max().item(),
-                    "max_abs_diff_dx": (dx_te.float() - dx_t.float()).abs().max().item(),
-                    "max_abs_dx": dx_te.float().abs().max().item(),
-                }
-            )
-        )
+        y_te, dx_te = outs["te"]
+        for impl in ("torch", "triton"):
+            y, dx = outs[impl]
+            diffs = {
+                "max_abs_diff_out": (y_te.float() - y.float()).abs().max().item(),
+                "max_abs_diff_dx": (dx_te.float() - dx.float()).abs().max().item(),
+                "max_abs_dx": dx_te.float().abs().max().item(),
+            }
+            print(json.dumps({"norm": name, "vs_te": impl} | diffs))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ class Settings:
     lr: float = 1e-5
     ce_fusion: bool = True  # megatron cross_entropy_loss_fusion (GPU)
     ce_fusion_impl: str = "te"  # te | native
-    cuda_graphs: str = "none"  # none | local | transformer_engine
+    cuda_graphs: str = "none"  # none | local | transformer_engine | full_iteration
     gpu_fusions: bool = True  # rope / swiglu fusions on the Megatron side (GPU)
     mcore_overrides: dict[str, Any] = field(default_factory=dict)
     optimizer_overrides: dict[str, Any] = field(default_factory=dict)  # megatron OptimizerConfig fields
@@ -401,7 +401,7 @@ def init_megatron(s: Settings) -> None:
         model_parallel_cuda_manual_seed(
             s.seed,
             te_rng_tracker=graphs,
-            use_cudagraphable_rng=s.cuda_graphs == "local",
+            use_cudagraphable_rng=s.cuda_graphs in ("local", "full_iteration"),
             force_reset_rng=graphs,
         )
         if s.cuda_graphs == "transformer_engine":
@@ -426,7 +426,16 @@ def megatron_overrides(s: Settings, arch) -> dict[str, Any]:
             if s.gpu_fusions:
                 # TE's fused token permutation, as NVIDIA's MoE recipes run (--moe-permute-fusion)
                 o |= {"moe_permute_fusion": True}
-        if s.cuda_graphs != "none":
+        if s.cuda_graphs == "full_iteration":
+            if arch.is_moe:
+                raise ValueError(
+                    "--cuda-graphs full_iteration captures the whole forward and backward; dropless MoE "
+                    "routes a data-dependent number of tokens and cannot be captured (use "
+                    "transformer_engine: megatron's partial MoE graphs)"
+                )
+            # Megatron-LM: --cuda-graph-impl local --cuda-graph-scope full_iteration
+            o |= {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration", "use_te_rng_tracker": True}
+        elif s.cuda_graphs != "none":
             o |= {"cuda_graph_impl": s.cuda_graphs, "use_te_rng_tracker": True}
             if arch.is_moe:
                 # Dropless experts see a data-dependent token count and cannot be captured; megatron's
@@ -614,6 +623,10 @@ def _prepare_megatron(variant: str, hf_dir: Path, s: Settings) -> tuple[dict[str
             optimizers=[],
         )
     local_graphs = on_gpu() and s.cuda_graphs == "local"
+    if on_gpu() and s.cuda_graphs == "full_iteration":
+        step = _full_iteration_step(wrapped, finish, config, tokens, labels, position_ids, s)
+        result["step"] = "forward + backward (one CUDA graph) + optimizer step"
+        return result, step, None, None
 
     def forward():
         with CLOCK.phase("forward"):
@@ -641,6 +654,54 @@ def _prepare_megatron(variant: str, hf_dir: Path, s: Settings) -> tuple[dict[str
         te_graphs.create_cudagraphs()
     result["step"] = "forward + backward" + (" + optimizer step" if variant != "twinkle_frozen" else "")
     return result, step, forward, backward_and_update
+
+
+def _full_iteration_step(wrapped, finish, config, tokens, labels, position_ids, s: Settings):
+    """A training step as Megatron-LM's train_step runs it under ``--cuda-graph-impl local
+    --cuda-graph-scope full_iteration``: megatron's forward-backward schedule wrapped in its
+    ``FullCudaGraphWrapper`` (eager for ``cuda_graph_warmup_steps`` iterations, then the whole forward
+    and backward captured as one graph and replayed; the batch copied into static buffers each step),
+    then the optimizer step outside the graph. Warmed up and captured here, before any timing."""
+    import itertools
+
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batch = {"tokens": tokens, "labels": labels, "position_ids": position_ids}
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+
+        def loss_func(output):
+            loss = output.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    forward_backward = FullCudaGraphWrapper(
+        get_forward_backward_func(), cuda_graph_warmup_steps=config.cuda_graph_warmup_steps
+    )
+
+    def step():
+        with CLOCK.phase("forward_backward"):
+            losses = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=itertools.repeat(batch),
+                model=[wrapped],
+                num_microbatches=1,
+                seq_length=s.seq_len,
+                micro_batch_size=s.micro_batch_size,
+                forward_only=False,
+            )
+            loss = losses[0]["loss"].clone()  # the graph's output buffer is rewritten by the next replay
+        with CLOCK.phase("optimizer"):
+            finish()
+        return loss
+
+    for _ in range(config.cuda_graph_warmup_steps + 1):  # the last one captures
+        step()
+    return step
 
 
 def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: str) -> dict[str, Any]:

@@ -87,9 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ce-impl", choices=["te", "native"], default="te", help="fused CE implementation")
     ap.add_argument(
         "--cuda-graphs",
-        choices=["none", "local", "transformer_engine"],
+        choices=["none", "local", "transformer_engine", "full_iteration"],
         default="none",
-        help="megatron-core cuda_graph_impl: per-layer CUDA graphs (megatron's local manager or TE's)",
+        help="megatron-core cuda_graph_impl: per-layer CUDA graphs (megatron's local manager or TE's); "
+        "full_iteration: Megatron-LM's whole-iteration graph (--cuda-graph-impl local "
+        "--cuda-graph-scope full_iteration; dense shapes)",
     )
     ap.add_argument("--no-gpu-fusions", action="store_true", help="megatron: no rope/swiglu fusions")
     ap.add_argument(

@@ -1,18 +1,28 @@
-"""The adapted attention's q/k norm (twinkle_specs.lora.norm.TorchRMSNorm) on CPU.
+"""The adapted attention's q/k norm (twinkle_specs.lora.norm.QKNorm) on CPU.
 
-Against an independent fp64 RMSNorm: fp32 output and gradients to rel 1e-6 (measured <= 1.6e-7
-over 20 seeds), bf16 output within one rounding of the exact value (rel 8e-3; measured <= 2.5e-3).
-With the weight frozen the backward gives the input gradient only; trainable, the weight's too. Checkpoint keys are a TE
-norm's (``weight``, ``_extra_state``). The swap in the LoRA spec is tests/test_lora_te_standin.py's.
-"""
+Against an independent fp64 RMSNorm: the torch path's fp32 output and gradients to rel 1e-6 (measured
+<= 1.6e-7 over 20 seeds), its bf16 output within one rounding of the exact value (rel 8e-3; measured
+<= 2.5e-3). With the weight frozen the backward gives the input gradient only; trainable, the
+weight's too. The frozen path's Triton kernels, interpreted, on strided inputs and gradients: 2 ulps
+relative to the largest value (fp32 1e-5, fp16 2e-3, bf16 1.6e-2; measured 1.5e-7, 3.8e-4, 6.2e-3,
+the interpreter truncating bf16 casts). Checkpoint keys are a TE norm's (``weight``,
+``_extra_state``). The swap in the LoRA spec is tests/test_lora_te_standin.py's."""
 
 from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from twinkle_specs.lora.norm import TorchRMSNorm
+from twinkle_specs.lora import norm as N
+from twinkle_specs.lora.norm import QKNorm
 
 EPS = 1e-6
 
@@ -32,10 +42,10 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
 
-def _norm(train_weight: bool, dtype=torch.float32, seed: int = 0) -> TorchRMSNorm:
-    norm = TorchRMSNorm(_config(normalization="RMSNorm"), hidden_size=16, eps=EPS).to(dtype)
+def _norm(train_weight: bool, dtype=torch.float32, seed: int = 0, width: int = 16) -> QKNorm:
+    norm = QKNorm(_config(normalization="RMSNorm"), hidden_size=width, eps=EPS).to(dtype)
     with torch.no_grad():
-        norm.weight.copy_(torch.rand(16, generator=torch.Generator().manual_seed(seed)) + 0.5)
+        norm.weight.copy_(torch.rand(width, generator=torch.Generator().manual_seed(seed)) + 0.5)
     norm.weight.requires_grad_(train_weight)
     return norm
 
@@ -79,6 +89,89 @@ def test_checkpoint_keys_are_a_te_norms():
 
 def test_other_norms_are_refused():
     with pytest.raises(ValueError, match="LayerNorm"):
-        TorchRMSNorm(_config(normalization="LayerNorm"), hidden_size=16)
+        QKNorm(_config(normalization="LayerNorm"), hidden_size=16)
     with pytest.raises(ValueError, match="zero_centered_gamma=True"):
-        TorchRMSNorm(_config(normalization="RMSNorm", layernorm_zero_centered_gamma=True), hidden_size=16)
+        QKNorm(_config(normalization="RMSNorm", layernorm_zero_centered_gamma=True), hidden_size=16)
+
+
+def _triton_errors(device: str, cases: tuple) -> dict[str, float]:
+    """The frozen-weight Triton path (forced) against the fp64 reference: output and input gradient,
+    per dtype and case; each case's input is a strided view (a key-like slice of a wider tensor), its
+    output gradient a transposed copy (strided too). Also the kernel launches."""
+    counts = {"fwd": 0, "bwd": 0}
+    kernels = (N._fwd_kernel, N._bwd_kernel)
+
+    class Counting:
+        def __init__(self, kernel, key):
+            self.kernel, self.key = kernel, key
+
+        def __getitem__(self, grid):
+            counts[self.key] += 1
+            return self.kernel[grid]
+
+    N._fwd_kernel, N._bwd_kernel = Counting(kernels[0], "fwd"), Counting(kernels[1], "bwd")
+    use, N._use_triton = N._use_triton, lambda *_: True
+    errors: dict[str, float] = {}
+    try:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for tokens, heads, width in cases:
+                g = torch.Generator().manual_seed(tokens + heads + width)
+                wide = torch.randn(tokens, heads + 2, width, generator=g) * 2
+                x = wide[:, 1 : 1 + heads].to(device=device, dtype=dtype)  # rows not contiguous
+                dy = torch.randn(heads, tokens, width, generator=g).to(device=device, dtype=dtype)
+                dy = dy.transpose(0, 1)
+                norm = _norm(False, seed=width, width=width).to(device=device, dtype=dtype)
+                xg = x.detach().clone().requires_grad_(True)
+                out = norm(xg)
+                out.backward(dy)
+                xr = x.detach().double().requires_grad_(True)
+                want = _reference(xr, norm.weight.detach())
+                want.backward(dy.double())
+                key = f"{str(dtype)[6:]}/{tokens}x{heads}x{width}"
+                errors[f"{key}/out"] = _rel(out.detach().cpu(), want.detach().cpu())
+                errors[f"{key}/dx"] = _rel(xg.grad.cpu(), xr.grad.cpu())
+                errors[f"{key}/shape"] = float(out.shape != x.shape or xg.grad.shape != x.shape)
+    finally:
+        N._fwd_kernel, N._bwd_kernel = kernels
+        N._use_triton = use
+    errors["launches"] = (counts["fwd"], counts["bwd"])
+    return errors
+
+
+# rows below, at and above the rows per program (32), a ragged last block, one head and several
+INTERPRETED = ((5, 1, 16), (9, 7, 16), (33, 3, 128))
+TRITON_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernels_under_interpreter():
+    """The Triton forward/backward (interpreted on CPU) against fp64, strided inputs and gradients.
+    Tolerance: 2 ulps of the dtype relative to the largest value (fp32 1e-5); the interpreter rounds
+    fp32 -> bf16 by truncation where the GPU rounds to nearest (measured: see the module docstring)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, str(Path(__file__))], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    assert errors.pop("launches") == [3 * len(INTERPRETED)] * 2, errors
+    for key, err in errors.items():
+        tol = 0.0 if key.endswith("/shape") else TRITON_TOL[key.split("/")[0]]
+        assert err <= tol, (key, err, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or N.triton is None, reason="needs a CUDA GPU and Triton")
+def test_triton_kernels_on_cuda_match_the_reference():
+    """The compiled kernels against fp64 at a Qwen3 key norm's shape (300 tokens, 8 heads of 128,
+    strided) and ragged small shapes; same tolerances as the interpreted test."""
+    errors = _triton_errors("cuda", ((300, 8, 128), (9, 7, 16)))
+    print(json.dumps(errors))
+    errors.pop("launches")
+    for key, err in errors.items():
+        tol = 0.0 if key.endswith("/shape") else TRITON_TOL[key.split("/")[0]]
+        assert err <= tol, (key, err, tol)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_triton_errors("cpu", INTERPRETED)))

@@ -146,12 +146,12 @@ def _te_layer_submodules():
 def test_targeted_norm_fused_linears_become_norm_and_linear(te, targets, split_qkv, split_fc1):  # noqa: F811
     """A targeted norm-fused TE linear is built as TENorm + plain TE linear (its adapter then shares the
     norm), keeping the fused module's checkpoint keys; an untargeted one stays fused. TE's q/k norms
-    become TorchRMSNorm."""
+    become QKNorm."""
     from megatron.core.transformer.identity_op import IdentityOp
 
     from twinkle_specs.lora import LoraConfig
     from twinkle_specs.lora.mlp import LoraMLP
-    from twinkle_specs.lora.norm import TorchRMSNorm
+    from twinkle_specs.lora.norm import QKNorm
     from twinkle_specs.lora.spec import lora_layer_submodules
 
     fake = sys.modules[TE_MODULE]
@@ -177,9 +177,9 @@ def test_targeted_norm_fused_linears_become_norm_and_linear(te, targets, split_q
     assert (keys.get("input_layernorm.") == "self_attention.linear_qkv.layer_norm_") is split_qkv
     assert (keys.get("pre_mlp_layernorm.") == "mlp.linear_fc1.layer_norm_") is split_fc1
     assert (got.mlp.module is LoraMLP) is split_fc1  # fc1's delta goes into SwiGLU
-    # the frozen q/k norms run on torch's RMSNorm (no weight gradient), whatever the targets
+    # the frozen q/k norms compute no weight gradient, whatever the targets
     attn = got.self_attention.submodules
-    assert attn.q_layernorm is TorchRMSNorm and attn.k_layernorm is TorchRMSNorm
+    assert attn.q_layernorm is QKNorm and attn.k_layernorm is QKNorm
 
 
 def test_qkv_partial_targets(te, single_rank):  # noqa: F811

@@ -108,14 +108,14 @@ def _unfused(spec: Any) -> tuple[Any, Any] | None:
 
 
 def _qk_norm(spec: Any) -> Any:
-    """TE's q/k norm (TENorm) as :class:`~twinkle_specs.lora.norm.TorchRMSNorm`, whose backward skips
+    """TE's q/k norm (TENorm) as :class:`~twinkle_specs.lora.norm.QKNorm`, whose backward skips
     the frozen weight's gradient (see :mod:`.norm`); any other spec unchanged."""
     base = _class_of(spec)
     if base.__module__ != TE_MODULE or base.__name__ != "TENorm":
         return spec
-    from .norm import TorchRMSNorm
+    from .norm import QKNorm
 
-    return _with_class(spec, TorchRMSNorm)
+    return _with_class(spec, QKNorm)
 
 
 def _class_of(spec: Any) -> type:
@@ -137,7 +137,7 @@ def lora_layer_submodules(
 ) -> TransformerLayerSubmodules:
     """``submodules`` with every linear that ``lora`` targets replaced by its LoRA wrapper (a targeted
     norm-fused TE linear first split into its norm and a plain linear, see :func:`_unfused`), and TE's
-    q/k norms, frozen under LoRA, on torch's RMSNorm (:func:`_qk_norm`).
+    q/k norms, frozen under LoRA, as :class:`~twinkle_specs.lora.norm.QKNorm` (:func:`_qk_norm`).
 
     Qwen3-MoE (MoE with q/k norm, among the supported Qwen models) is the fused-expert model on which
     peft maps gate/up/down_proj to the routed experts; Qwen2-MoE's MLP names mean its shared expert.
