@@ -90,8 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["none", "local", "transformer_engine", "full_iteration"],
         default="none",
         help="megatron-core cuda_graph_impl: per-layer CUDA graphs (megatron's local manager or TE's); "
-        "full_iteration: Megatron-LM's whole-iteration graph (--cuda-graph-impl local "
-        "--cuda-graph-scope full_iteration; dense shapes)",
+        "full_iteration: megatron's whole-iteration graph (FullCudaGraphWrapper, as Megatron-LM's "
+        "--cuda-graph-impl local --cuda-graph-scope full_iteration; dense shapes; stock pretrain_gpt.py "
+        "of core_v0.16.1 cannot capture it, see bench/README.md)",
     )
     ap.add_argument("--no-gpu-fusions", action="store_true", help="megatron: no rope/swiglu fusions")
     ap.add_argument(
