@@ -110,8 +110,8 @@ def _unfused(spec: Any) -> tuple[Any, Any] | None:
 def _qk_norm(spec: Any) -> Any:
     """TE's q/k norm (TENorm) as :class:`~twinkle_specs.lora.norm.QKNorm`, whose backward skips
     the frozen weight's gradient (see :mod:`.norm`); any other spec unchanged."""
-    base = _class_of(spec)
-    if base.__module__ != TE_MODULE or base.__name__ != "TENorm":
+    base = _class_of(spec)  # None where the attention has no q/k norm
+    if getattr(base, "__module__", None) != TE_MODULE or base.__name__ != "TENorm":
         return spec
     from .norm import QKNorm
 
