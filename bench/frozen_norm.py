@@ -10,6 +10,7 @@ hidden-size norm.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -42,11 +43,12 @@ def main() -> None:
         for impl, cls in (("te", TENorm), ("torch", QKNorm), ("triton", QKNorm)):
             norm = cls(config=config, hidden_size=width, eps=1e-6).cuda()
             norm.weight.requires_grad_(False)
-            run = F.rms_norm if impl == "torch" else lambda t, n=norm: n(t)
+            if impl == "torch":  # QKNorm's weight, torch's kernels
+                norm = functools.partial(F.rms_norm, normalized_shape=(width,), weight=norm.weight, eps=1e-6)
 
-            def step(norm=norm, x=x, dy=dy, run=run, width=width):
+            def step(norm=norm, x=x, dy=dy):
                 x.grad = None
-                y = run(x, (width,), norm.weight, norm.eps) if run is F.rms_norm else run(x)
+                y = norm(x)
                 y.backward(dy)
                 return y
 

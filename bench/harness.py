@@ -434,7 +434,11 @@ def megatron_overrides(s: Settings, arch) -> dict[str, Any]:
                     "transformer_engine: megatron's partial MoE graphs)"
                 )
             # Megatron-LM: --cuda-graph-impl local --cuda-graph-scope full_iteration
-            o |= {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration", "use_te_rng_tracker": True}
+            o |= {
+                "cuda_graph_impl": "local",
+                "cuda_graph_scope": "full_iteration",
+                "use_te_rng_tracker": True,
+            }
         elif s.cuda_graphs != "none":
             o |= {"cuda_graph_impl": s.cuda_graphs, "use_te_rng_tracker": True}
             if arch.is_moe:

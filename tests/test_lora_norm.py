@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
+from test_lora_support import CountingKernel, interpreted
 
 from twinkle_specs.lora import norm as N
 from twinkle_specs.lora.norm import QKNorm
@@ -98,18 +95,8 @@ def _triton_errors(device: str, cases: tuple) -> dict[str, float]:
     """The frozen-weight Triton path (forced) against the fp64 reference: output and input gradient,
     per dtype and case; each case's input is a strided view (a key-like slice of a wider tensor), its
     output gradient a transposed copy (strided too). Also the kernel launches."""
-    counts = {"fwd": 0, "bwd": 0}
-    kernels = (N._fwd_kernel, N._bwd_kernel)
-
-    class Counting:
-        def __init__(self, kernel, key):
-            self.kernel, self.key = kernel, key
-
-        def __getitem__(self, grid):
-            counts[self.key] += 1
-            return self.kernel[grid]
-
-    N._fwd_kernel, N._bwd_kernel = Counting(kernels[0], "fwd"), Counting(kernels[1], "bwd")
+    fwd, bwd = CountingKernel(N._fwd_kernel), CountingKernel(N._bwd_kernel)
+    N._fwd_kernel, N._bwd_kernel = fwd, bwd
     use, N._use_triton = N._use_triton, lambda *_: True
     errors: dict[str, float] = {}
     try:
@@ -132,9 +119,9 @@ def _triton_errors(device: str, cases: tuple) -> dict[str, float]:
                 errors[f"{key}/dx"] = _rel(xg.grad.cpu(), xr.grad.cpu())
                 errors[f"{key}/shape"] = float(out.shape != x.shape or xg.grad.shape != x.shape)
     finally:
-        N._fwd_kernel, N._bwd_kernel = kernels
+        N._fwd_kernel, N._bwd_kernel = fwd.kernel, bwd.kernel
         N._use_triton = use
-    errors["launches"] = (counts["fwd"], counts["bwd"])
+    errors["launches"] = (fwd.launches, bwd.launches)
     return errors
 
 
@@ -143,21 +130,21 @@ INTERPRETED = ((5, 1, 16), (9, 7, 16), (33, 3, 128))
 TRITON_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 
 
+def _assert_within_tolerance(errors: dict[str, float]) -> None:
+    """Shapes exact; output and input gradient within :data:`TRITON_TOL` of their dtype."""
+    for key, err in errors.items():
+        tol = 0.0 if key.endswith("/shape") else TRITON_TOL[key.split("/")[0]]
+        assert err <= tol, (key, err, tol)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_under_interpreter():
     """The Triton forward/backward (interpreted on CPU) against fp64, strided inputs and gradients.
     Tolerance: 2 ulps of the dtype relative to the largest value (fp32 1e-5); the interpreter rounds
     fp32 -> bf16 by truncation where the GPU rounds to nearest (measured: see the module docstring)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(
-        [sys.executable, str(Path(__file__))], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    errors = interpreted(__file__)
     assert errors.pop("launches") == [3 * len(INTERPRETED)] * 2, errors
-    for key, err in errors.items():
-        tol = 0.0 if key.endswith("/shape") else TRITON_TOL[key.split("/")[0]]
-        assert err <= tol, (key, err, tol)
+    _assert_within_tolerance(errors)
 
 
 @pytest.mark.gpu
@@ -168,9 +155,7 @@ def test_triton_kernels_on_cuda_match_the_reference():
     errors = _triton_errors("cuda", ((300, 8, 128), (9, 7, 16)))
     print(json.dumps(errors))
     errors.pop("launches")
-    for key, err in errors.items():
-        tol = 0.0 if key.endswith("/shape") else TRITON_TOL[key.split("/")[0]]
-        assert err <= tol, (key, err, tol)
+    _assert_within_tolerance(errors)
 
 
 if __name__ == "__main__":

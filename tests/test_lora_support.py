@@ -1,9 +1,13 @@
 """Shared helpers of the LoRA tests (no tests here): tiny random Qwen checkpoints, PEFT references,
-megatron parallel state for in-process tests and a gloo launcher for multi-rank workers."""
+megatron parallel state for in-process tests, a gloo launcher for multi-rank workers, and the Triton
+interpreter runner and launch counter of the kernel tests."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import models
@@ -99,3 +103,23 @@ def single_rank():
 def run_ranks(nproc: int, script: Path, *args: str, timeout: int = 240) -> str:
     """Runs ``script`` on ``nproc`` gloo CPU ranks (GPUs hidden) with torchrun; returns its stdout."""
     return run_dist(nproc, script, *args, timeout=timeout, cpu_only=True).stdout
+
+
+def interpreted(test_file: str) -> dict:
+    """Runs ``test_file`` as a script under the Triton interpreter (``TRITON_INTERPRET=1``, GPUs hidden)
+    and returns the JSON object its last output line holds (its kernels' errors)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, test_file], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+class CountingKernel:
+    """A Triton kernel whose launches (``kernel[grid](...)``) are counted."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]

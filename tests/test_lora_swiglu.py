@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_lora_support import CountingKernel, interpreted
 
 from twinkle_specs.lora import swiglu as S
 from twinkle_specs.lora.functions import GradLink, LowRankDown
@@ -152,21 +150,10 @@ def test_imports_and_runs_without_triton(monkeypatch):
     assert torch.equal(fresh.swiglu_lora(pre, h, b), S.swiglu_lora_forward(pre, h, b))
 
 
-class _Counting:
-    """A Triton kernel whose launches (``kernel[grid](...)``) are counted."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-
 def _kernel_errors(device: str, cases: tuple) -> dict[str, float]:
     """The op with its Triton path forced vs the reference path on ``device`` tensors, output and every
     gradient, with and without fc2's deferred A GEMM; no-grad bit-equality; kernel launches."""
-    fwd, bwd = _Counting(S._fwd_kernel), _Counting(S._bwd_kernel)
+    fwd, bwd = CountingKernel(S._fwd_kernel), CountingKernel(S._bwd_kernel)
     S._fwd_kernel, S._bwd_kernel, use_triton = fwd, bwd, S._use_triton
     errors: dict[str, float] = {}
     try:
@@ -201,12 +188,7 @@ INTERPRETED = (((70,), 200, 5, 4), ((7, 3), 130, 48, 16), ((5,), 16, 16, 3))
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(
-        [sys.executable, str(Path(__file__))], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    errors = interpreted(__file__)
     # per dtype and case: forward twice and backward twice (without and with fc2), forward for no-grad
     assert errors.pop("launches") == [2 * 3 * 3, 2 * 3 * 2], errors
     for key, err in errors.items():

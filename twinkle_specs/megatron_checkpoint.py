@@ -255,6 +255,17 @@ TE_MODULE_NAMES = frozenset(
 _EXTRA_STATE_CLASSES: dict[type, type] = {}
 
 
+class TEExtraState:
+    """Mixin: a module's checkpoint holds TE's (empty, non-FP8) ``_extra_state``, as the TE module it
+    stands for does."""
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing to restore."""
+
+
 def give_te_extra_state(model: torch.nn.Module) -> None:
     """Gives the portable modules that stand for TE modules TE's (empty, non-FP8) ``_extra_state``, so the
     checkpoint holds every key a Transformer Engine model of the same checkpoint loads -- stock
@@ -271,13 +282,7 @@ def give_te_extra_state(model: torch.nn.Module) -> None:
         cls = type(module)
         if cls not in _EXTRA_STATE_CLASSES:
             _EXTRA_STATE_CLASSES[cls] = type(
-                cls.__name__,
-                (cls,),
-                {
-                    "get_extra_state": lambda self: torch.empty(0, dtype=torch.uint8),
-                    "set_extra_state": lambda self, state: None,
-                    "__module__": cls.__module__,
-                },
+                cls.__name__, (TEExtraState, cls), {"__module__": cls.__module__}
             )
         module.__class__ = _EXTRA_STATE_CLASSES[cls]
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..megatron_checkpoint import TEExtraState
+
 try:
     import triton
     import triton.language as tl
@@ -125,9 +127,10 @@ class FrozenRMSNorm(torch.autograd.Function):
         return dx, None, None
 
 
-class QKNorm(torch.nn.Module):
-    """RMSNorm over the last dimension with TENorm's constructor and parameter (``weight``, so
-    checkpoint keys and the HF weight map are unchanged), frozen: see the module docstring."""
+class QKNorm(TEExtraState, torch.nn.Module):
+    """RMSNorm over the last dimension with TENorm's constructor and parameter (``weight``) and its
+    empty ``_extra_state``, so checkpoint keys and the HF weight map are unchanged; frozen: see the
+    module docstring."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -147,10 +150,3 @@ class QKNorm(torch.nn.Module):
         if _use_triton(x, self.weight):
             return FrozenRMSNorm.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (self.hidden_size,), self.weight.to(x.dtype), self.eps)
-
-    def get_extra_state(self) -> torch.Tensor:
-        """TE's norms checkpoint an extra state (empty without FP8): the same keys as a TE model's."""
-        return torch.empty(0, dtype=torch.uint8)
-
-    def set_extra_state(self, state: Any) -> None:
-        """Nothing to restore (see :meth:`get_extra_state`)."""
