@@ -146,10 +146,11 @@ def _te_layer_submodules():
 def test_targeted_norm_fused_linears_become_norm_and_linear(te, targets, split_qkv, split_fc1):  # noqa: F811
     """A targeted norm-fused TE linear is built as TENorm + plain TE linear (its adapter then shares the
     norm), keeping the fused module's checkpoint keys; an untargeted one stays fused. TE's q/k norms
-    become QKNorm."""
+    become QKNorm, the attention LoraSelfAttention."""
     from megatron.core.transformer.identity_op import IdentityOp
 
     from twinkle_specs.lora import LoraConfig
+    from twinkle_specs.lora.attention import LoraSelfAttention
     from twinkle_specs.lora.mlp import LoraMLP
     from twinkle_specs.lora.norm import QKNorm
     from twinkle_specs.lora.spec import lora_layer_submodules
@@ -180,6 +181,7 @@ def test_targeted_norm_fused_linears_become_norm_and_linear(te, targets, split_q
     # the frozen q/k norms compute no weight gradient, whatever the targets
     attn = got.self_attention.submodules
     assert attn.q_layernorm is QKNorm and attn.k_layernorm is QKNorm
+    assert got.self_attention.module is LoraSelfAttention  # which fuses them with RoPE where it can
 
 
 def test_qkv_partial_targets(te, single_rank):  # noqa: F811

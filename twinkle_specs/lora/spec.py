@@ -1,6 +1,7 @@
 """Composes LoRA wrappers into a layer's specs: each targeted linear's class is swapped for its LoRA
-subclass, with its site, slots (rank, scaling) and dropout passed as ModuleSpec params. Nothing else in
-the layer changes. Works on megatron-core 0.16's ModuleSpecs and 0.19's builder partials alike."""
+subclass, with its site, slots (rank, scaling) and dropout passed as ModuleSpec params; the frozen q/k
+norms and the attention around them get their LoRA-time classes (:func:`lora_layer_submodules`). Works on
+megatron-core 0.16's ModuleSpecs and 0.19's builder partials alike."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import functools
 from typing import Any
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
@@ -118,6 +120,13 @@ def _qk_norm(spec: Any) -> Any:
     return _with_class(spec, QKNorm)
 
 
+def _frozen_norms(attn_sub: Any) -> bool:
+    """Whether both q/k norms of an attention's submodules are :class:`~twinkle_specs.lora.norm.QKNorm`."""
+    from .norm import QKNorm
+
+    return _class_of(attn_sub.q_layernorm) is QKNorm and _class_of(attn_sub.k_layernorm) is QKNorm
+
+
 def _class_of(spec: Any) -> type:
     """The module class a spec (class, ModuleSpec or builder partial) builds."""
     return spec.module if isinstance(spec, ModuleSpec) else getattr(spec, "func", spec)
@@ -136,8 +145,10 @@ def lora_layer_submodules(
     submodules: TransformerLayerSubmodules, lora: LoraConfig, config: TransformerConfig
 ) -> TransformerLayerSubmodules:
     """``submodules`` with every linear that ``lora`` targets replaced by its LoRA wrapper (a targeted
-    norm-fused TE linear first split into its norm and a plain linear, see :func:`_unfused`), and TE's
-    q/k norms, frozen under LoRA, as :class:`~twinkle_specs.lora.norm.QKNorm` (:func:`_qk_norm`).
+    norm-fused TE linear first split into its norm and a plain linear, see :func:`_unfused`), TE's
+    q/k norms, frozen under LoRA, as :class:`~twinkle_specs.lora.norm.QKNorm` (:func:`_qk_norm`), and
+    then megatron's SelfAttention as :class:`~twinkle_specs.lora.attention.LoraSelfAttention`, which
+    fuses those norms and RoPE with the QKV split where it can.
 
     Qwen3-MoE (MoE with q/k norm, among the supported Qwen models) is the fused-expert model on which
     peft maps gate/up/down_proj to the routed experts; Qwen2-MoE's MLP names mean its shared expert.
@@ -162,6 +173,11 @@ def lora_layer_submodules(
         q_layernorm=_qk_norm(attn_sub.q_layernorm),
         k_layernorm=_qk_norm(attn_sub.k_layernorm),
     )
+    attn = _with_submodules(attn, attn_sub)
+    if _class_of(attn) is SelfAttention and _frozen_norms(attn_sub):
+        from .attention import LoraSelfAttention  # the frozen q/k norms and RoPE fused with the split
+
+        attn = _with_class(attn, LoraSelfAttention)
     mlp = submodules.mlp
     mlp_sub = _submodules(mlp)
     if isinstance(mlp_sub, MoESubmodules):
@@ -189,7 +205,7 @@ def lora_layer_submodules(
             mlp = _with_class(mlp, LoraMLP)
     return dataclasses.replace(
         submodules,
-        self_attention=_with_submodules(attn, attn_sub),
+        self_attention=attn,
         mlp=mlp,
         sharded_state_dict_keys_map=keys_map,
         **layer,
