@@ -28,6 +28,9 @@ from gpu_checks import (
     Evidence,
     fp32_router,
 )
+from test_lora_support import CountingKernel
+
+from twinkle_specs.lora import qk_rope
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,6 +86,8 @@ def _logits(model, toks: torch.Tensor) -> torch.Tensor:
 CASES = {
     "qwen3-all-linear": ("qwen3", dict(target_modules="all-linear"), {}),
     "qwen3-q-v": ("qwen3", dict(target_modules=["q_proj", "v_proj"]), {}),
+    # TE's fused RoPE configured: the q/k norms and RoPE run in lora/qk_rope.py's kernels
+    "qwen3-all-linear-rope-fusion": ("qwen3", dict(target_modules="all-linear"), {"apply_rope_fusion": True}),
     "qwen2-partial": ("qwen2", dict(target_modules=["k_proj", "o_proj", "up_proj"]), {}),
     "qwen2_moe-shared": (
         "qwen2_moe",
@@ -126,11 +131,18 @@ def test_te_lora_matches_peft(kind, targets, extra, dtype, lora_checkpoints, gpu
     ).eval()
     wrappers = {type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Lora")}
     assert wrappers and all(
-        "TE" in w or w in ("LoraTopKRouter", "LoraMLP", "LoraGroupedMLP") for w in wrappers
+        "TE" in w or w in ("LoraTopKRouter", "LoraMLP", "LoraGroupedMLP", "LoraSelfAttention")
+        for w in wrappers
     ), wrappers
     before = _logits(model, tokens(s=64))
     ts.load_peft_adapter(model, tmp_path)
-    ours = _logits(model, tokens(s=64))
+    fused_rope = CountingKernel(qk_rope._fwd_kernel)
+    qk_rope._fwd_kernel = fused_rope
+    try:
+        ours = _logits(model, tokens(s=64))
+    finally:
+        qk_rope._fwd_kernel = fused_rope.kernel
+    assert (fused_rope.launches > 0) is bool(extra.get("apply_rope_fusion")), fused_rope.launches
     assert (truth - before).abs().max() > 0.05, "the adapter barely changes the logits: test is vacuous"
     stats = dict(
         max_abs=(ours - truth).abs().max().item(),

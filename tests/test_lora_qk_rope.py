@@ -96,8 +96,8 @@ def _kernel_errors(device: str, cases: tuple) -> dict:
 
 
 # (s, b, groups, query heads per group, head): one token block and ragged ones, MHA-like and GQA,
-# micro-batch 1 and 2 (the sequence position is the token index // b)
-INTERPRETED = ((5, 1, 1, 1, 16), (7, 2, 2, 3, 16), (33, 1, 2, 2, 32))
+# micro-batch 1 and 2 (the sequence position is the token index // b), a head of 24 (masked columns)
+INTERPRETED = ((5, 1, 1, 1, 16), (7, 2, 2, 3, 16), (33, 1, 2, 2, 32), (6, 2, 2, 2, 24))
 
 
 def _assert_kernels(errors: dict) -> None:

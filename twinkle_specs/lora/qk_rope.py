@@ -36,12 +36,12 @@ WARPS = 4
 if triton is not None:
 
     @triton.jit
-    def _cos_sin(freqs_ptr, pos, tm, HALF: tl.constexpr):
-        """cos and sin of both halves of the frequency rows at ``pos`` ([tokens, HALF] each)."""
-        c = tl.arange(0, HALF)
+    def _cos_sin(freqs_ptr, pos, m, HALF: tl.constexpr, BH: tl.constexpr):
+        """cos and sin of both halves of the frequency rows at ``pos`` ([tokens, BH] each)."""
+        c = tl.arange(0, BH)
         p = freqs_ptr + pos.to(tl.int64)[:, None] * (2 * HALF) + c[None, :]
-        f1 = tl.load(p, mask=tm[:, None], other=0.0)
-        f2 = tl.load(p + HALF, mask=tm[:, None], other=0.0)
+        f1 = tl.load(p, mask=m, other=0.0)
+        f2 = tl.load(p + HALF, mask=m, other=0.0)
         return tl.cos(f1), tl.sin(f1), tl.cos(f2), tl.sin(f2)
 
     @triton.jit
@@ -49,22 +49,26 @@ if triton is not None:
         return 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
 
     @triton.jit
-    def _norm_rope(src, dst, w_ptr, eps, m, c1, s1, c2, s2, HALF: tl.constexpr):
+    def _norm_rope(src, dst, w_ptr, eps, m, c1, s1, c2, s2, HALF: tl.constexpr, BH: tl.constexpr):
         """One head's rows: ``rope(rmsnorm(x) * w)``; ``src``/``dst`` point at the first half."""
-        c = tl.arange(0, HALF)
+        c = tl.arange(0, BH)
+        cm = c < HALF
         dtype = dst.dtype.element_ty
         x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
         rstd = _rstd(x1, x2, eps, HALF)[:, None]
-        y1 = (x1 * rstd * tl.load(w_ptr + c).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-        y2 = (x2 * rstd * tl.load(w_ptr + HALF + c).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+        y1 = (x1 * rstd * tl.load(w_ptr + c, mask=cm).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+        y2 = (x2 * rstd * tl.load(w_ptr + HALF + c, mask=cm).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
         tl.store(dst, (y1 * c1 - y2 * s1).to(dtype), mask=m)
         tl.store(dst + HALF, (y2 * c2 + y1 * s2).to(dtype), mask=m)
 
     @triton.jit
-    def _norm_rope_back(dsrc, x_src, dst, w_ptr, eps, m, c1, s1, c2, s2, HALF: tl.constexpr):
+    def _norm_rope_back(
+        dsrc, x_src, dst, w_ptr, eps, m, c1, s1, c2, s2, HALF: tl.constexpr, BH: tl.constexpr
+    ):
         """One head's input gradient: RoPE's backward (rounded), then the norm's (no weight gradient)."""
-        c = tl.arange(0, HALF)
+        c = tl.arange(0, BH)
+        cm = c < HALF
         dtype = dst.dtype.element_ty
         do1 = tl.load(dsrc, mask=m, other=0.0).to(tl.float32)
         do2 = tl.load(dsrc + HALF, mask=m, other=0.0).to(tl.float32)
@@ -73,8 +77,8 @@ if triton is not None:
         x1 = tl.load(x_src, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(x_src + HALF, mask=m, other=0.0).to(tl.float32)
         rstd = _rstd(x1, x2, eps, HALF)[:, None]
-        g1 = dy1 * tl.load(w_ptr + c).to(tl.float32)[None, :]
-        g2 = dy2 * tl.load(w_ptr + HALF + c).to(tl.float32)[None, :]
+        g1 = dy1 * tl.load(w_ptr + c, mask=cm).to(tl.float32)[None, :]
+        g2 = dy2 * tl.load(w_ptr + HALF + c, mask=cm).to(tl.float32)[None, :]
         xh1, xh2 = x1 * rstd, x2 * rstd
         dot = ((tl.sum(g1 * xh1, axis=1) + tl.sum(g2 * xh2, axis=1)) / (2 * HALF))[:, None]
         tl.store(dst, (rstd * (g1 - xh1 * dot)).to(dtype), mask=m)
@@ -82,23 +86,24 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, q_ptr, k_ptr, v_ptr, T, B, s_tok, s_grp,
-                    eps_q, eps_k, QPG: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+                    eps_q, eps_k, QPG: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr,
+                    BT: tl.constexpr):  # fmt: skip
         """Program (token block, query group): that group's query heads, key and value of ``BT`` tokens
-        (token ``t`` at sequence position ``t // B``) into contiguous [T, heads, 2 * HALF] outputs."""
+        (token ``t`` at sequence position ``t // B``) into contiguous [T, heads, 2 * HALF] outputs; a half
+        head of ``HALF`` columns is a block of ``BH`` (a power of two), masked."""
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         g = tl.program_id(1)
         groups = tl.num_programs(1)
-        tm = t < T
-        c1, s1, c2, s2 = _cos_sin(freqs_ptr, t // B, tm, HALF)
+        c = tl.arange(0, BH)[None, :]
+        m = (t < T)[:, None] & (c < HALF)
+        c1, s1, c2, s2 = _cos_sin(freqs_ptr, t // B, m, HALF, BH)
         t64 = t.to(tl.int64)[:, None]
-        c = tl.arange(0, HALF)[None, :]
-        m = tm[:, None]
         row = qkv_ptr + t64 * s_tok + g * s_grp + c
         for j in tl.static_range(QPG):
             dst = q_ptr + (t64 * groups * QPG + g * QPG + j) * (2 * HALF) + c
-            _norm_rope(row + j * 2 * HALF, dst, wq_ptr, eps_q, m, c1, s1, c2, s2, HALF)
+            _norm_rope(row + j * 2 * HALF, dst, wq_ptr, eps_q, m, c1, s1, c2, s2, HALF, BH)
         out = (t64 * groups + g) * (2 * HALF) + c
-        _norm_rope(row + QPG * 2 * HALF, k_ptr + out, wk_ptr, eps_k, m, c1, s1, c2, s2, HALF)
+        _norm_rope(row + QPG * 2 * HALF, k_ptr + out, wk_ptr, eps_k, m, c1, s1, c2, s2, HALF, BH)
         v = row + (QPG + 1) * 2 * HALF
         tl.store(v_ptr + out, tl.load(v, mask=m), mask=m)
         tl.store(v_ptr + out + HALF, tl.load(v + HALF, mask=m), mask=m)
@@ -106,40 +111,43 @@ if triton is not None:
     @triton.jit
     def _bwd_kernel(qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, T, B, s_tok,
                     s_grp, q_tok, q_head, k_tok, k_head, v_tok, v_head, eps_q, eps_k, QPG: tl.constexpr,
-                    HALF: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+                    HALF: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr):  # fmt: skip
         """The forward's programs in reverse: the QKV output's gradient [T, groups, (QPG + 2) * 2 * HALF]
         from the query's, key's and value's (strided [T, heads, 2 * HALF] each)."""
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         g = tl.program_id(1)
-        tm = t < T
-        c1, s1, c2, s2 = _cos_sin(freqs_ptr, t // B, tm, HALF)
+        c = tl.arange(0, BH)[None, :]
+        m = (t < T)[:, None] & (c < HALF)
+        c1, s1, c2, s2 = _cos_sin(freqs_ptr, t // B, m, HALF, BH)
         t64 = t.to(tl.int64)[:, None]
-        c = tl.arange(0, HALF)[None, :]
-        m = tm[:, None]
         row = qkv_ptr + t64 * s_tok + g * s_grp + c
         drow = dqkv_ptr + (t64 * tl.num_programs(1) + g) * ((QPG + 2) * 2 * HALF) + c
         for j in tl.static_range(QPG):
             src = dq_ptr + t64 * q_tok + (g * QPG + j) * q_head + c
             off = j * 2 * HALF
-            _norm_rope_back(src, row + off, drow + off, wq_ptr, eps_q, m, c1, s1, c2, s2, HALF)
+            _norm_rope_back(src, row + off, drow + off, wq_ptr, eps_q, m, c1, s1, c2, s2, HALF, BH)
         off = QPG * 2 * HALF
         src = dk_ptr + t64 * k_tok + g * k_head + c
-        _norm_rope_back(src, row + off, drow + off, wk_ptr, eps_k, m, c1, s1, c2, s2, HALF)
+        _norm_rope_back(src, row + off, drow + off, wk_ptr, eps_k, m, c1, s1, c2, s2, HALF, BH)
         dv = dv_ptr + t64 * v_tok + g * v_head + c
         off = (QPG + 1) * 2 * HALF
         tl.store(drow + off, tl.load(dv, mask=m), mask=m)
         tl.store(drow + off + HALF, tl.load(dv + HALF, mask=m), mask=m)
 
 
+def _block(head: int) -> int:
+    return triton.next_power_of_2(head // 2)
+
+
 def fusable(x: torch.Tensor, head: int, *weights: torch.Tensor) -> bool:
-    """Whether :func:`qk_norm_rope` runs for activations like ``x``: Triton, CUDA, a float dtype, a
-    power-of-two head width, norm weights that get no gradient here."""
+    """Whether :func:`qk_norm_rope` runs for activations like ``x``: Triton, CUDA, a float dtype, an
+    even head width, norm weights that get no gradient here."""
     return (
         triton is not None
         and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and 2 <= head <= MAX_WIDTH
-        and head & (head - 1) == 0
+        and head % 2 == 0
         and not (torch.is_grad_enabled() and any(w.requires_grad for w in weights))
     )
 
@@ -159,7 +167,7 @@ class QKNormRope(torch.autograd.Function):
         grid = (triton.cdiv(s * b, TOKENS_PER_PROGRAM), groups)
         _fwd_kernel[grid](
             qkv, wq, wk, freqs, q, k, v, s * b, b, qkv.stride(0), qkv.stride(1), eps_q, eps_k,
-            QPG=qpg, HALF=head // 2, BT=TOKENS_PER_PROGRAM, num_warps=WARPS,
+            QPG=qpg, HALF=head // 2, BH=_block(head), BT=TOKENS_PER_PROGRAM, num_warps=WARPS,
         )  # fmt: skip
         ctx.save_for_backward(qkv, wq, wk, freqs)
         ctx.dims, ctx.eps = (s, b, groups, qpg, head), (eps_q, eps_k)
@@ -179,7 +187,7 @@ class QKNormRope(torch.autograd.Function):
         _bwd_kernel[grid](
             qkv, wq, wk, freqs, dq, dk, dv, dqkv, s * b, b, qkv.stride(0), qkv.stride(1),
             dq.stride(-3), dq.stride(-2), dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2),
-            *ctx.eps, QPG=qpg, HALF=head // 2, BT=TOKENS_PER_PROGRAM, num_warps=WARPS,
+            *ctx.eps, QPG=qpg, HALF=head // 2, BH=_block(head), BT=TOKENS_PER_PROGRAM, num_warps=WARPS,
         )  # fmt: skip
         return dqkv, None, None, None, None, None, None, None
 
