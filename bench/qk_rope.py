@@ -1,6 +1,6 @@
 """An adapted Qwen3 attention's QKV split + frozen q/k norms + RoPE on one GPU, forward + backward,
 CUDA-graph-replayed ms per call, as JSON lines: megatron-core's unfused path as it runs under LoRA
-(TE's SplitAlongDim, the query's reshape copy, twinkle_specs' QKNorm, TE's fused RoPE via megatron's
+(megatron's split, the query's reshape copy, twinkle_specs' QKNorm, TE's fused RoPE via megatron's
 ``apply_rotary_pos_emb``) against twinkle_specs.lora.qk_rope (one kernel each way), over a sweep of the
 fused kernels' launch sizes, with the largest differences between the two. Shape: a Qwen3-8B layer
 (8 query groups of 4 heads, head 128) at 4096 tokens.
@@ -15,8 +15,8 @@ import itertools
 import json
 
 import torch
-from megatron.core.extensions.transformer_engine import SplitAlongDim
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SplitAlongDim
 from megatron.core.transformer.transformer_config import TransformerConfig
 from swiglu_lora import graph_ms
 
@@ -54,8 +54,9 @@ def main() -> None:
         norms.append(norm.requires_grad_(False))
 
     def unfused():
-        split = SplitAlongDim(mixed.view(s, 1, GROUPS, -1), 3, [QPG * HEAD, HEAD, HEAD])
-        q, k, v = split
+        sizes, grouped = [QPG * HEAD, HEAD, HEAD], mixed.view(s, 1, GROUPS, -1)
+        # as megatron's attention splits: TE's SplitAlongDim where its extension has it, else torch's
+        q, k, v = SplitAlongDim(grouped, 3, sizes) if SplitAlongDim else torch.split(grouped, sizes, 3)
         q = norms[0](q.reshape(s, 1, -1, HEAD))
         k = norms[1](k)
         return apply_rotary_pos_emb(q, freqs, config), apply_rotary_pos_emb(k, freqs, config), v
