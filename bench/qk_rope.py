@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 
 import torch
+from megatron.core import parallel_state as ps
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SplitAlongDim
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -37,6 +39,9 @@ def main() -> None:
         apply_rope_fusion=True,
     )  # fmt: skip
     print(json.dumps({"device": torch.cuda.get_device_name(), "tokens": args.tokens}))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29531"))
+    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    ps.initialize_model_parallel()  # megatron's RoPE reads the context-parallel group
     g = torch.Generator(device="cuda").manual_seed(0)
     s = args.tokens
     mixed = torch.randn(s, 1, GROUPS * (QPG + 2) * HEAD, device="cuda", generator=g).to(torch.bfloat16)
