@@ -8,6 +8,8 @@ given, as JSON lines.
   accumulated into fc2's dgrad (``dout.addmm_(dh2, a2)``), fc2's input recomputed (``swiglu``), a2's
   gradient (``dh2.T @ act``), ``swiglu_back``, fc1's B gradients (``dy @ b``, ``dy.T @ h``)
 - fused_bwd: the op's backward kernel + ``dy @ b`` (everything above)
+- ``--halves``: the fused_* rows with fc1's own B (gate and up at one rank, rank/2 each) instead of
+  the fused B with its zero blocks
 
     PYTHONPATH=. python bench/swiglu_lora.py [--tokens 4096 --ffn 12288 --rank 32 --rank2 16 --iters 50]
         [--fwd 64,128,8 --fwd ...] [--bwd 32,64,4,3,2 --bwd ...]
@@ -59,6 +61,11 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32, help="fc1's rank sum (gate + up)")
     ap.add_argument("--rank2", type=int, default=16, help="fc2's rank")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument(
+        "--halves",
+        action="store_true",
+        help="fused_*: fc1's own B [2F, rank/2], h's gate and up columns apart",
+    )
     ap.add_argument("--fwd", type=_blocks, action="append", help="token block, F block, warps (repeatable)")
     ap.add_argument(
         "--bwd", type=_blocks, action="append", help="token block, F block, warps, stages, waves (repeatable)"
@@ -71,8 +78,14 @@ def main() -> None:
         return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dt)
 
     pre, h, b = randn(T, 2 * F), randn(T, R), randn(2 * F, R, scale=R**-0.5)
+    bf = randn(2 * F, R // 2, scale=(R // 2) ** -0.5) if args.halves else b  # the fused path's B
     dout, dh2, a2 = randn(T, F), randn(T, R2), randn(R2, F, scale=F**-0.5)
-    print(json.dumps({"device": torch.cuda.get_device_name(), "tokens": T, "ffn": F, "rank": R, "rank2": R2}))
+    print(
+        json.dumps(
+            {"device": torch.cuda.get_device_name(), "tokens": T, "ffn": F, "rank": R, "rank2": R2}
+            | {"halves": args.halves}
+        )
+    )
 
     acc, dacc = pre.clone(), dout.clone()  # the unfused in-place sums' targets
     y = torch.addmm(pre, h, b.t())
@@ -85,8 +98,8 @@ def main() -> None:
         return dy @ b, dy.t() @ h, da2
 
     def fused_bwd():
-        dy, d_b, d_a2 = S._triton_backward(dout, pre, h, b, dh2, a2)
-        return dy @ b, d_b, d_a2
+        dy, d_b, d_a2 = S._triton_backward(dout, pre, h, bf, dh2, a2)
+        return S._h_grad(dy, bf, h), d_b, d_a2
 
     base = {
         "unfused_fwd": lambda: swiglu(acc.addmm_(h, b.t())),
@@ -96,7 +109,7 @@ def main() -> None:
         print(json.dumps({"time": name, "ms": round(graph_ms(fn, args.iters), 4)}))
     for blocks in args.fwd or [S.FWD_BLOCKS]:
         S.FWD_BLOCKS = blocks
-        ms = graph_ms(lambda: S.swiglu_lora_forward(pre, h, b), args.iters)
+        ms = graph_ms(lambda: S.swiglu_lora_forward(pre, h, bf), args.iters)
         print(json.dumps({"time": "fused_fwd", "blocks": blocks, "ms": round(ms, 4)}))
     for blocks in args.bwd or [S.BWD_BLOCKS]:
         S.BWD_BLOCKS = blocks

@@ -18,7 +18,7 @@ from twinkle_specs.lora.model import link_input_recipes, swiglu_eager
 REL_TOL = 1e-5
 
 
-def _mlp(bias_activation_fusion: bool = True):
+def _mlp(bias_activation_fusion: bool = True, one_rank: bool = False):
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -41,6 +41,8 @@ def _mlp(bias_activation_fusion: bool = True):
         return ModuleSpec(module=cls, params={"lora_site": site, "lora_slots": slots, "lora_dropout": 0.0})
 
     slots = {"gate_proj": SlotSpec(4, 8, False), "up_proj": SlotSpec(2, 4, True)}  # rank_pattern, rsLoRA
+    if one_rank:  # SwiGLU gets fc1's own B, h's gate and up columns apart
+        slots = {"gate_proj": SlotSpec(4, 8, False), "up_proj": SlotSpec(4, 12, True)}
     sub = MLPSubmodules(
         linear_fc1=adapted(LoraColumnParallelLinear, "linear_fc1", slots),
         linear_fc2=adapted(LoraRowParallelLinear, "linear_fc2", {"down_proj": SlotSpec(4, 8, False)}),
@@ -68,13 +70,18 @@ def _run(m, forward, x, grad):
     return [y.detach(), x.grad, *(p.grad for p in factors)]
 
 
+@pytest.mark.parametrize("one_rank", [False, True], ids=["fused-b", "halves"])
 @pytest.mark.parametrize("fc2_path", ["deferred", "recipe"])
-def test_adapters_inside_swiglu_equal_the_unfused_mlp(single_rank, monkeypatch, fc2_path):  # noqa: F811
+def test_adapters_inside_swiglu_equal_the_unfused_mlp(single_rank, monkeypatch, fc2_path, one_rank):  # noqa: F811
     """Output and every gradient as the unfused MLP's. ``deferred`` (training without dropout): fc2's
     A gradient and input-gradient share come from SwiGLU's backward, and nothing of fc2's input
     [tokens, ffn] is saved. ``recipe`` (fc2 cannot hand over its input gradient, e.g. with dropout):
-    fc2's adapter recomputes its input once, through the recipe LoraMLP hands it."""
-    m = _mlp()
+    fc2's adapter recomputes its input once, through the recipe LoraMLP hands it. Gate and up at one
+    rank: SwiGLU takes fc1's own B (no fused B is built); at two ranks, the fused one."""
+    m = _mlp(one_rank=one_rank)
+    fused_b = []
+    real_fused = m.linear_fc1.lora_B_fused
+    monkeypatch.setattr(m.linear_fc1, "lora_B_fused", lambda: fused_b.append(1) or real_fused())
     assert m.lora_fuses_activation
     link_input_recipes(m)
     if fc2_path == "recipe":
@@ -86,6 +93,7 @@ def test_adapters_inside_swiglu_equal_the_unfused_mlp(single_rank, monkeypatch, 
     x, grad = torch.randn(8, 2, 32, generator=g), torch.randn(8, 2, 32, generator=g)
     got = _run(m, lambda x: m(x)[0], x, grad)
     assert calls == ([1] if fc2_path == "recipe" else [])
+    assert bool(fused_b) is not one_rank
     if fc2_path == "deferred":  # (recording saves is itself saved-tensor hooks, which switch recipes off)
         shapes = []
         with torch.autograd.graph.saved_tensors_hooks(

@@ -37,19 +37,24 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
 
 
-def _inputs(lead: tuple[int, ...], ffn: int, rank: int, dtype: torch.dtype, seed: int = 0):
-    """pre [*lead, 2F] as a column slice of a wider tensor (rows not contiguous), h [*lead, R],
-    b [2F, R], dout [*lead, F]; b scaled so the delta is of the order of pre."""
+def _inputs(lead: tuple[int, ...], ffn: int, rank: int, dtype: torch.dtype, seed: int = 0, halves=False):
+    """pre [*lead, 2F] as a column slice of a wider tensor (rows not contiguous), h [*lead, R] (with
+    ``halves`` [*lead, 2R]: gate's columns, then up's), b [2F, R], dout [*lead, F]; b scaled so the
+    delta is of the order of pre."""
     g = torch.Generator().manual_seed(seed)
     pre = torch.randn(*lead, 2 * ffn + 6, generator=g)[..., 2 : 2 + 2 * ffn]
-    h = torch.randn(*lead, rank, generator=g)
+    h = torch.randn(*lead, 2 * rank if halves else rank, generator=g)
     b = torch.randn(2 * ffn, rank, generator=g) / rank**0.5
     dout = torch.randn(*lead, ffn, generator=g)
     return pre.to(dtype), h.to(dtype), b.to(dtype), dout.to(dtype)
 
 
 def _unfused(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    y1, y2 = (pre + h @ b.t()).chunk(2, -1)
+    if h.shape[-1] == b.shape[-1]:
+        y1, y2 = (pre + h @ b.t()).chunk(2, -1)
+    else:  # halves: gate's columns of h meet gate's rows of b, up's up's
+        (pg, pu), (hg, hu), (bg, bu) = pre.chunk(2, -1), h.chunk(2, -1), b.chunk(2, 0)
+        y1, y2 = pg + hg @ bg.t(), pu + hu @ bu.t()
     return F.silu(y1) * y2
 
 
@@ -86,13 +91,14 @@ def _run_fc2(fused: bool, tensors, a2: torch.Tensor, dh2: torch.Tensor) -> list[
     return [out.detach(), *grads]
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["fused-b", "halves"])
 @pytest.mark.parametrize("grads", list(GRADS))
 @pytest.mark.parametrize("rank", [5, 16, 48])
 @pytest.mark.parametrize("lead", [(6, 3), (17,)], ids=["s,b", "T"])
-def test_reference_matches_unfused_autograd(lead, rank, grads):
+def test_reference_matches_unfused_autograd(lead, rank, grads, halves):
     needs = GRADS[grads]
     for dtype, tol in ((torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)):
-        tensors = _inputs(lead, 40, rank, dtype)
+        tensors = _inputs(lead, 40, rank, dtype, halves=halves)
         got, want = _run(S.swiglu_lora, tensors, needs), _run(_unfused, tensors, needs)
         assert len(got) == len(want) == 1 + sum(needs)
         for name, g, w in zip(
@@ -102,20 +108,22 @@ def test_reference_matches_unfused_autograd(lead, rank, grads):
             assert _rel(g, w) <= tol, (dtype, name, _rel(g, w))
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["fused-b", "halves"])
 @pytest.mark.parametrize("rank2", [4, 16])
-def test_deferred_fc2_gradients_match_unfused_autograd(rank2):
+def test_deferred_fc2_gradients_match_unfused_autograd(rank2, halves):
     """With fc2's A GEMM deferring to the op: fc2's input-gradient share and a2's gradient from the op's
     backward equal plain autograd's (pre, h, b and a2), fp32 and bf16."""
     for dtype, tol in ((torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)):
-        tensors = _inputs((6, 3), 40, 5, dtype)
+        tensors = _inputs((6, 3), 40, 5, dtype, halves=halves)
         a2, dh2 = _fc2_inputs(tensors, rank2)
         got, want = _run_fc2(True, tensors, a2, dh2), _run_fc2(False, tensors, a2, dh2)
         for name, g, w in zip(("out", "pre", "h", "b", "a2"), got, want, strict=True):
             assert g.shape == w.shape and _rel(g, w) <= tol, (dtype, name, _rel(g, w))
 
 
-def test_no_grad_entry_is_bitwise_the_autograd_forward():
-    pre, h, b, _ = _inputs((9, 2), 24, 5, torch.bfloat16)
+@pytest.mark.parametrize("halves", [False, True], ids=["fused-b", "halves"])
+def test_no_grad_entry_is_bitwise_the_autograd_forward(halves):
+    pre, h, b, _ = _inputs((9, 2), 24, 5, torch.bfloat16, halves=halves)
     out = S.swiglu_lora(pre, h.requires_grad_(), b.requires_grad_())
     assert out.requires_grad
     assert torch.equal(S.swiglu_lora_forward(pre, h, b), out.detach())
@@ -134,6 +142,8 @@ def test_rejects_mismatched_inputs():
     pre, h, b, _ = _inputs((4,), 8, 3, torch.float32)
     with pytest.raises(ValueError, match="shapes"):
         S.swiglu_lora(pre, h, b[:, :2])
+    with pytest.raises(ValueError, match="shapes"):  # neither R nor 2R columns
+        S.swiglu_lora(pre, torch.cat([h, h[..., :1]], -1), b)
     with pytest.raises(ValueError, match="dtypes"):
         S.swiglu_lora(pre, h.double(), b)
 
@@ -158,8 +168,8 @@ def _kernel_errors(device: str, cases: tuple) -> dict[str, float]:
     errors: dict[str, float] = {}
     try:
         for dtype in (torch.float16, torch.bfloat16):
-            for lead, ffn, rank, rank2 in cases:
-                tensors = [t.to(device) for t in _inputs(lead, ffn, rank, dtype, seed=1)]
+            for lead, ffn, rank, rank2, halves in cases:
+                tensors = [t.to(device) for t in _inputs(lead, ffn, rank, dtype, seed=1, halves=halves)]
                 a2, dh2 = (t.to(device) for t in _fc2_inputs(tensors, rank2))
                 runs = {}
                 for path in ("triton", "reference"):
@@ -172,8 +182,8 @@ def _kernel_errors(device: str, cases: tuple) -> dict[str, float]:
                 S._use_triton = use_triton
                 names = ("out", "pre", "h", "b", "fc2/out", "fc2/pre", "fc2/h", "fc2/b", "fc2/a2")
                 for name, t, r in zip(names, runs["triton"], runs["reference"], strict=True):
-                    errors[f"{str(dtype)[6:]}/{lead}/{ffn}/{rank}/{name}"] = _rel(t, r)
-                errors[f"nograd-differs/{str(dtype)[6:]}/{lead}"] = float(
+                    errors[f"{str(dtype)[6:]}/{lead}/{ffn}/{rank}/{halves}/{name}"] = _rel(t, r)
+                errors[f"nograd-differs/{str(dtype)[6:]}/{lead}/{halves}"] = float(
                     not torch.equal(nograd, runs["triton"][0])
                 )
     finally:
@@ -182,15 +192,17 @@ def _kernel_errors(device: str, cases: tuple) -> dict[str, float]:
     return errors
 
 
-# several tiles with ragged edges (T 70 > the token blocks, F 200 > the F blocks), R below/at/above 16
-INTERPRETED = (((70,), 200, 5, 4), ((7, 3), 130, 48, 16), ((5,), 16, 16, 3))
+# several tiles with ragged edges (T 70 > the token blocks, F 200 > the F blocks), R below/at/above 16,
+# fused B and halves
+INTERPRETED = (((70,), 200, 5, 4, False), ((7, 3), 130, 48, 16, False), ((5,), 16, 16, 3, False))
+INTERPRETED += (((70,), 200, 5, 4, True), ((7, 3), 130, 16, 16, True))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_under_interpreter():
     errors = interpreted(__file__)
     # per dtype and case: forward twice and backward twice (without and with fc2), forward for no-grad
-    assert errors.pop("launches") == [2 * 3 * 3, 2 * 3 * 2], errors
+    assert errors.pop("launches") == [2 * len(INTERPRETED) * 3, 2 * len(INTERPRETED) * 2], errors
     for key, err in errors.items():
         tol = 0.0 if key.startswith("nograd") else INTERP_TOL[key.split("/")[0]]
         assert err <= tol, (key, err, tol)
@@ -204,7 +216,8 @@ def test_triton_kernels_on_cuda_match_the_reference():
     small shapes. Tolerance: 2 ulps of the dtype relative to the largest value (bf16 1.6e-2, fp16 2e-3:
     the products are summed in another order, which can move a value across a rounding boundary); the
     no-grad entry is the autograd forward bit for bit."""
-    errors = _kernel_errors("cuda", (((300,), 12288, 32, 16), ((7, 3), 200, 5, 4)))
+    cases = (((300,), 12288, 32, 16, False), ((300,), 12288, 16, 16, True), ((7, 3), 200, 5, 4, True))
+    errors = _kernel_errors("cuda", cases)
     errors.pop("launches")
     for key, err in errors.items():
         tol = 0.0 if key.startswith("nograd") else {"float16": 2e-3, "bfloat16": 1.6e-2}[key.split("/")[0]]

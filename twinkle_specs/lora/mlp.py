@@ -24,6 +24,7 @@ import torch
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
+from .config import SITE_SLOTS
 from .functions import GradLink
 from .layers import LoraLayerMixin
 from .model import swiglu_fn
@@ -50,7 +51,7 @@ class LoraMLP(MLP):
         if not fused or fc1.lora_leaf("B").dtype != hidden_states.dtype:
             return super().forward(hidden_states, per_token_scale, **kwargs)
         pre, _, h = fc1.lora_base_and_hidden(hidden_states)  # no bias: plain SwiGLU needs none
-        b = fc1.lora_B_fused()
+        b = _fc1_b(fc1)
         adapted = isinstance(fc2, LoraLayerMixin) and fc2.lora_active()
         if adapted and fc2.lora_links_grad(pre):
             # fc2's A gradient and its input-gradient share are computed in SwiGLU's backward kernel
@@ -64,6 +65,15 @@ class LoraMLP(MLP):
             fn = functools.partial(swiglu_lora_forward, h=h.detach(), b=b.detach())
             fc2.lora_input_recipe.hand(pre, fn)
         return fc2(act)
+
+
+def _fc1_b(fc1: LoraLayerMixin) -> torch.Tensor:
+    """fc1's B as :func:`swiglu_lora` takes it: with gate and up both adapted at one rank, fc1's own
+    ``lora_B`` (``h`` then holds gate's columns and up's apart); else the fused B with its zero blocks."""
+    slots = tuple(fc1.lora_slots)
+    if slots == SITE_SLOTS["linear_fc1"] and len({fc1.lora_spec[s].r for s in slots}) == 1:
+        return fc1.lora_param("B")
+    return fc1.lora_B_fused()
 
 
 class LoraGroupedMLP(TEGroupedMLP):

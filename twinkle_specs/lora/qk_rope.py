@@ -29,7 +29,7 @@ try:
 except ImportError:  # without Triton the attention keeps megatron's unfused path
     triton = None
 
-TOKENS_PER_PROGRAM = 32
+TOKENS_PER_PROGRAM = 8  # with WARPS: the fastest of bench/qk_rope.py's H200 sweep
 WARPS = 4
 
 

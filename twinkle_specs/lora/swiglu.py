@@ -1,6 +1,9 @@
 """An adapted MLP's SwiGLU with the adapters of fc1 and fc2 folded into its kernels.
 
-Forward: ``swiglu(pre + h @ b.T)`` for fc1's frozen output ``pre`` and its LoRA delta ``h @ b.T``. Adding
+Forward: ``swiglu(pre + h @ b.T)`` for fc1's frozen output ``pre`` and its LoRA delta ``h @ b.T``, where
+``b`` [2F, R] is either fc1's fused B (gate's and up's blocks side by side, zeros elsewhere: ``h`` [T, R])
+or, with gate and up adapted at one rank, fc1's own B (``h`` [T, 2R]: gate's columns, then up's; each
+half of ``b`` meets its own half of ``h``, so no zero block is built, gathered or multiplied). Adding
 the delta to fc1's output in place (a cuBLAS beta=1 GEMM) reads and writes the whole [T, 2F]
 pre-activation only for SwiGLU to read it again (206 us per layer at T=4096, F=12288 on an H100, twice
 SwiGLU's own time); here each tile gets its delta from the small ``h`` and ``b`` tiles on the way in.
@@ -48,9 +51,24 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def _halves(h: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``h`` holds gate's and up's columns apart ([T, 2R] for ``b`` [2F, R])."""
+    return h.shape[-1] == 2 * b.shape[-1]
+
+
+def _block_b(b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``b`` as the [2F, width of h] matrix ``h`` multiplies: with halves, gate's rows on gate's
+    columns and up's on up's (zeros elsewhere); else ``b`` itself."""
+    if not _halves(h, b):
+        return b
+    f, r = b.shape[0] // 2, b.shape[1]
+    zeros = b.new_zeros(f, r)
+    return torch.cat([torch.cat([b[:f], zeros], 1), torch.cat([zeros, b[f:]], 1)])
+
+
 def _preact_ref(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``pre + h @ b.T`` as [T, 2F]: fp32 products and sum, rounded once to ``pre``'s dtype."""
-    return torch.addmm(_flat(pre).float(), _flat(h).float(), b.float().t()).to(pre.dtype)
+    return torch.addmm(_flat(pre).float(), _flat(h).float(), _block_b(b, h).float().t()).to(pre.dtype)
 
 
 def _swiglu_ref(y: torch.Tensor) -> torch.Tensor:
@@ -78,30 +96,41 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _preact(p, m, hh, bg, bu, F, dtype: tl.constexpr, DOT_F32: tl.constexpr):
+    def _preact(p, m, hg, hu, bg, bu, F, dtype: tl.constexpr, DOT_F32: tl.constexpr):
         """Gate and up tiles of ``pre + h @ b.T`` at ``p`` (the gate tile's pointers), rounded to
-        ``dtype``, as fp32; ``bg``/``bu`` are the tile's rows of ``b``, transposed ([R, F block])."""
-        y1 = tl.load(p, mask=m, other=0.0).to(tl.float32) + _dot(hh, bg, DOT_F32)
-        y2 = tl.load(p + F, mask=m, other=0.0).to(tl.float32) + _dot(hh, bu, DOT_F32)
+        ``dtype``, as fp32; ``bg``/``bu`` are the tile's rows of ``b``, transposed ([R, F block]),
+        ``hg``/``hu`` the columns of ``h`` they meet (the same tile unless ``h`` has halves)."""
+        y1 = tl.load(p, mask=m, other=0.0).to(tl.float32) + _dot(hg, bg, DOT_F32)
+        y2 = tl.load(p + F, mask=m, other=0.0).to(tl.float32) + _dot(hu, bu, DOT_F32)
         return y1.to(dtype).to(tl.float32), y2.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _h_tiles(h_ptr, rows, s_h, r, hm, R, HALVES: tl.constexpr):
+        """The tiles of ``h`` that gate's and up's rows of ``b`` meet (columns ``R`` on with halves)."""
+        hg = tl.load(h_ptr + rows * s_h + r[None, :], mask=hm, other=0.0)
+        if HALVES:
+            hu = tl.load(h_ptr + rows * s_h + R + r[None, :], mask=hm, other=0.0)
+        else:
+            hu = hg
+        return hg, hu
 
     @triton.jit
     def _fwd_kernel(
         pre_ptr, h_ptr, b_ptr, out_ptr, T, F, R, s_pre, s_h, s_b, s_out,
-        BT: tl.constexpr, BF: tl.constexpr, BR: tl.constexpr, DOT_F32: tl.constexpr,
+        BT: tl.constexpr, BF: tl.constexpr, BR: tl.constexpr, HALVES: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         f = tl.program_id(1) * BF + tl.arange(0, BF)
         r = tl.arange(0, BR)
         tm, fm, rm = t < T, f < F, r < R
         rows = t.to(tl.int64)[:, None]
-        hh = tl.load(h_ptr + rows * s_h + r[None, :], mask=tm[:, None] & rm[None, :], other=0.0)
+        hg, hu = _h_tiles(h_ptr, rows, s_h, r, tm[:, None] & rm[None, :], R, HALVES)
         bm = rm[:, None] & fm[None, :]
         bg = tl.load(b_ptr + f[None, :] * s_b + r[:, None], mask=bm, other=0.0)
         bu = tl.load(b_ptr + (f + F)[None, :] * s_b + r[:, None], mask=bm, other=0.0)
         m = tm[:, None] & fm[None, :]
         dtype = out_ptr.dtype.element_ty
-        y1, y2 = _preact(pre_ptr + rows * s_pre + f[None, :], m, hh, bg, bu, F, dtype, DOT_F32)
+        y1, y2 = _preact(pre_ptr + rows * s_pre + f[None, :], m, hg, hu, bg, bu, F, dtype, DOT_F32)
         out = y1 * tl.sigmoid(y1) * y2
         tl.store(out_ptr + rows * s_out + f[None, :], out.to(dtype), mask=m)
 
@@ -110,7 +139,7 @@ if triton is not None:
         pre_ptr, h_ptr, b_ptr, dout_ptr, dh2_ptr, a2_ptr, dy_ptr, db_ptr, da2_ptr,
         T, F, R, R2, s_pre, s_h, s_b, s_dout, s_dh2, s_a2, s_dy, TCH: tl.constexpr,
         BT: tl.constexpr, BF: tl.constexpr, BR: tl.constexpr, BR2: tl.constexpr,
-        HAS_FC2: tl.constexpr, DOT_F32: tl.constexpr,
+        HALVES: tl.constexpr, HAS_FC2: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
         """Program (F block, token chunk): SwiGLU's gradient ``dy`` over the chunk, and the chunk's
         partial sums of ``dy.T @ h`` (into ``db`` [chunks, 2F, BR]) and ``dh2.T @ act`` (into ``da2``
@@ -139,8 +168,8 @@ if triton is not None:
             tm = (t < T) & (t < start + TCH)
             rows = t.to(tl.int64)[:, None]
             m = tm[:, None] & fm[None, :]
-            hh = tl.load(h_ptr + rows * s_h + r[None, :], mask=tm[:, None] & rm[None, :], other=0.0)
-            y1, y2 = _preact(pre_ptr + rows * s_pre + f[None, :], m, hh, bg, bu, F, dtype, DOT_F32)
+            hg, hu = _h_tiles(h_ptr, rows, s_h, r, tm[:, None] & rm[None, :], R, HALVES)
+            y1, y2 = _preact(pre_ptr + rows * s_pre + f[None, :], m, hg, hu, bg, bu, F, dtype, DOT_F32)
             s = tl.sigmoid(y1)
             g = tl.load(dout_ptr + rows * s_dout + f[None, :], mask=m, other=0.0).to(tl.float32)
             if HAS_FC2:
@@ -154,8 +183,8 @@ if triton is not None:
             p = dy_ptr + rows * s_dy + f[None, :]
             tl.store(p, dyg, mask=m)
             tl.store(p + F, dyu, mask=m)
-            acc_bg += _dot(tl.trans(dyg), hh, DOT_F32)
-            acc_bu += _dot(tl.trans(dyu), hh, DOT_F32)
+            acc_bg += _dot(tl.trans(dyg), hg, DOT_F32)
+            acc_bu += _dot(tl.trans(dyu), hu, DOT_F32)
         part = db_ptr + chunk.to(tl.int64) * 2 * F * BR
         dbm = fm[:, None] & (r < BR)[None, :]
         tl.store(part + f[:, None] * BR + r[None, :], acc_bg, mask=dbm)
@@ -186,12 +215,12 @@ def _rank_block(r: int) -> int:
 
 def _triton_forward(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     pre2, h2 = _flat(pre), _flat(h)
-    (T, f2), R = pre2.shape, h2.shape[1]
+    (T, f2), R = pre2.shape, b.shape[1]
     out = pre.new_empty(T, f2 // 2)
     bt, bf, warps = FWD_BLOCKS
     _fwd_kernel[(triton.cdiv(T, bt), triton.cdiv(f2 // 2, bf))](
         pre2, h2, b, out, T, f2 // 2, R, pre2.stride(0), h2.stride(0), b.stride(0), out.stride(0),
-        BT=bt, BF=bf, BR=_rank_block(R), DOT_F32=not pre.is_cuda, num_warps=warps,
+        BT=bt, BF=bf, BR=_rank_block(R), HALVES=_halves(h, b), DOT_F32=not pre.is_cuda, num_warps=warps,
     )  # fmt: skip
     return out.view(*pre.shape[:-1], -1)
 
@@ -201,7 +230,7 @@ def _triton_backward(dout, pre, h, b, dh2, a2) -> tuple:
     (fc2's deferred input gradient ``dh2 @ a2`` included) and the two factor gradients, in one kernel
     plus a sum over the token chunks' partial factor gradients."""
     pre2, h2, g2 = _flat(pre), _flat(h), _flat(dout.contiguous())
-    (T, f2), R = pre2.shape, h2.shape[1]
+    (T, f2), R = pre2.shape, b.shape[1]
     ffn = f2 // 2
     bt, bf, warps, stages, waves = BWD_BLOCKS
     fc2 = dh2 is not None
@@ -220,8 +249,8 @@ def _triton_backward(dout, pre, h, b, dh2, a2) -> tuple:
     _bwd_kernel[(blocks, chunks)](
         pre2, h2, b, g2, d2, a, dy, db, da2, T, ffn, R, a.shape[0] if fc2 else 0,
         pre2.stride(0), h2.stride(0), b.stride(0), g2.stride(0), d2.stride(0), a.stride(0), dy.stride(0),
-        TCH=tch, BT=bt, BF=bf, BR=br, BR2=br2, HAS_FC2=fc2, DOT_F32=not pre.is_cuda, num_warps=warps,
-        num_stages=stages,
+        TCH=tch, BT=bt, BF=bf, BR=br, BR2=br2, HALVES=_halves(h, b), HAS_FC2=fc2, DOT_F32=not pre.is_cuda,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     d_b = db.sum(0)[:, :R].to(b.dtype)
     d_a2 = da2.sum(0)[: a2.shape[0]].to(a2.dtype) if fc2 else None
@@ -237,11 +266,31 @@ def _reference_backward(dout, pre, h, b, dh2, a2) -> tuple:
         g = torch.addmm(g.float(), _flat(dh2).float(), a2.float()).to(g.dtype)
         d_a2 = (_flat(dh2).t() @ _swiglu_ref(y)).to(a2.dtype)
     dy = _swiglu_back_ref(g, y)
-    return dy, dy.t() @ _flat(h), d_a2
+    d_b = dy.t() @ _flat(h)
+    if _halves(h, b):  # the gradient of the blocks of _block_b that are b's
+        f, r = b.shape[0] // 2, b.shape[1]
+        d_b = torch.cat([d_b[:f, :r], d_b[f:, r:]])
+    return dy, d_b, d_a2
+
+
+def _h_grad(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``dy @ b`` [T, width of h] for SwiGLU's gradient ``dy`` [T, 2F]: with halves, gate's half of ``dy``
+    meets gate's rows of ``b`` and up's up's (one batched GEMM), not a block matrix with zeros."""
+    if not _halves(h, b):
+        return dy @ b
+    f, r = b.shape[0] // 2, b.shape[1]
+    halves = torch.bmm(dy.view(-1, 2, f).transpose(0, 1), b.view(2, f, r))  # [2, T, R]
+    return halves.transpose(0, 1).reshape(-1, 2 * r)
 
 
 def _check(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> None:
-    if pre.shape[-1] % 2 or b.shape != (pre.shape[-1], h.shape[-1]) or pre.shape[:-1] != h.shape[:-1]:
+    widths = (b.shape[-1], 2 * b.shape[-1])
+    if (
+        pre.shape[-1] % 2
+        or b.shape[0] != pre.shape[-1]
+        or h.shape[-1] not in widths
+        or pre.shape[:-1] != h.shape[:-1]
+    ):
         raise ValueError(
             f"swiglu_lora: shapes pre {tuple(pre.shape)}, h {tuple(h.shape)}, b {tuple(b.shape)}"
         )
@@ -281,7 +330,7 @@ class SwigluLora(torch.autograd.Function):
         need = ctx.needs_input_grad
         return (
             dy.view(pre.shape) if need[0] else None,
-            (dy @ b).view(h.shape) if need[1] else None,
+            _h_grad(dy, b, h).view(h.shape) if need[1] else None,
             d_b if need[2] else None,
             d_a2 if need[3] else None,
             None,
@@ -295,6 +344,7 @@ def swiglu_lora(
     a2: torch.Tensor | None = None,
     link: GradLink | None = None,
 ) -> torch.Tensor:
-    """``swiglu(pre + h @ b.T)`` for pre [..., 2F] (gate | up), h [..., R], b [2F, R], one dtype; ``a2``
+    """``swiglu(pre + h @ b.T)`` for pre [..., 2F] (gate | up), h [..., R] or [..., 2R] (halves, see the
+    module docstring), b [2F, R], one dtype; ``a2``
     [R2, F] and ``link``: fc2's A and the deferred link of its A GEMM (see the module docstring)."""
     return SwigluLora.apply(pre, h, b, a2, link)
