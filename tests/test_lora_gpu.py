@@ -136,12 +136,12 @@ def test_te_lora_matches_peft(kind, targets, extra, dtype, lora_checkpoints, gpu
     ), wrappers
     before = _logits(model, tokens(s=64))
     ts.load_peft_adapter(model, tmp_path)
-    fused_rope = CountingKernel(qk_rope._fwd_kernel)
-    qk_rope._fwd_kernel = fused_rope
+    fused_rope = CountingKernel(qk_rope._qk_rope_fwd_kernel)
+    qk_rope._qk_rope_fwd_kernel = fused_rope
     try:
         ours = _logits(model, tokens(s=64))
     finally:
-        qk_rope._fwd_kernel = fused_rope.kernel
+        qk_rope._qk_rope_fwd_kernel = fused_rope.kernel
     assert (fused_rope.launches > 0) is bool(extra.get("apply_rope_fusion")), fused_rope.launches
     assert (truth - before).abs().max() > 0.05, "the adapter barely changes the logits: test is vacuous"
     stats = dict(

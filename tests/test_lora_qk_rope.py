@@ -57,8 +57,8 @@ def _reference(mixed, wq, wk, freqs, groups, head, eps, dtype):
 def _kernel_errors(device: str, cases: tuple) -> dict:
     """The fused function (kernels, forced) against :func:`_reference`: outputs and the QKV gradient
     (reference gradient by fp64 autograd through the roundings' values), per dtype and case."""
-    fwd, bwd = CountingKernel(R._fwd_kernel), CountingKernel(R._bwd_kernel)
-    R._fwd_kernel, R._bwd_kernel = fwd, bwd
+    fwd, bwd = CountingKernel(R._qk_rope_fwd_kernel), CountingKernel(R._qk_rope_bwd_kernel)
+    R._qk_rope_fwd_kernel, R._qk_rope_bwd_kernel = fwd, bwd
     errors: dict = {}
     try:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -90,7 +90,7 @@ def _kernel_errors(device: str, cases: tuple) -> dict:
                     errors[f"{key}/{name}-shape"] = float(got.shape != ref.shape or not got.is_contiguous())
                 errors[f"{key}/dqkv"] = _rel(x.grad.cpu(), xr.grad)
     finally:
-        R._fwd_kernel, R._bwd_kernel = fwd.kernel, bwd.kernel
+        R._qk_rope_fwd_kernel, R._qk_rope_bwd_kernel = fwd.kernel, bwd.kernel
     errors["launches"] = (fwd.launches, bwd.launches)
     return errors
 
@@ -163,14 +163,14 @@ def _attention_errors() -> dict:
     fusable = A.fusable
     for fused in (False, True):  # unfused: megatron's own RoPE (its fusion needs TE)
         attn = _attention(apply_rope_fusion=fused)
-        launches = R._fwd_kernel = CountingKernel(R._fwd_kernel)
+        launches = R._qk_rope_fwd_kernel = CountingKernel(R._qk_rope_fwd_kernel)
         A.fusable = (lambda *_: True) if fused else fusable
         try:
             xi = x.clone().requires_grad_(True)
             out, _ = attn(xi, None, rotary_pos_emb=_freqs(s, 16))
             out.backward(grad)
         finally:
-            R._fwd_kernel, A.fusable = launches.kernel, fusable
+            R._qk_rope_fwd_kernel, A.fusable = launches.kernel, fusable
         results.append((out.detach(), xi.grad, attn.linear_qkv.weight.grad.clone(), launches.launches))
     (o0, dx0, dw0, n0), (o1, dx1, dw1, n1) = results
     return {"out": _rel(o1, o0), "dx": _rel(dx1, dx0), "dw_qkv": _rel(dw1, dw0), "launches": [n0, n1]}

@@ -85,7 +85,7 @@ if triton is not None:
         tl.store(dst + HALF, (rstd * (g2 - xh2 * dot)).to(dtype), mask=m)
 
     @triton.jit
-    def _fwd_kernel(qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, q_ptr, k_ptr, v_ptr, T, B, s_tok, s_grp,
+    def _qk_rope_fwd_kernel(qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, q_ptr, k_ptr, v_ptr, T, B, s_tok, s_grp,
                     eps_q, eps_k, QPG: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr,
                     BT: tl.constexpr):  # fmt: skip
         """Program (token block, query group): that group's query heads, key and value of ``BT`` tokens
@@ -109,7 +109,7 @@ if triton is not None:
         tl.store(v_ptr + out + HALF, tl.load(v + HALF, mask=m), mask=m)
 
     @triton.jit
-    def _bwd_kernel(qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, T, B, s_tok,
+    def _qk_rope_bwd_kernel(qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, T, B, s_tok,
                     s_grp, q_tok, q_head, k_tok, k_head, v_tok, v_head, eps_q, eps_k, QPG: tl.constexpr,
                     HALF: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr):  # fmt: skip
         """The forward's programs in reverse: the QKV output's gradient [T, groups, (QPG + 2) * 2 * HALF]
@@ -165,7 +165,7 @@ class QKNormRope(torch.autograd.Function):
         q = mixed_qkv.new_empty(s, b, groups * qpg, head)
         k, v = mixed_qkv.new_empty(s, b, groups, head), mixed_qkv.new_empty(s, b, groups, head)
         grid = (triton.cdiv(s * b, TOKENS_PER_PROGRAM), groups)
-        _fwd_kernel[grid](
+        _qk_rope_fwd_kernel[grid](
             qkv, wq, wk, freqs, q, k, v, s * b, b, qkv.stride(0), qkv.stride(1), eps_q, eps_k,
             QPG=qpg, HALF=head // 2, BH=_block(head), BT=TOKENS_PER_PROGRAM, num_warps=WARPS,
         )  # fmt: skip
@@ -184,7 +184,7 @@ class QKNormRope(torch.autograd.Function):
         )
         dqkv = qkv.new_empty(s, b, groups * (qpg + 2) * head)
         grid = (triton.cdiv(s * b, TOKENS_PER_PROGRAM), groups)
-        _bwd_kernel[grid](
+        _qk_rope_bwd_kernel[grid](
             qkv, wq, wk, freqs, dq, dk, dv, dqkv, s * b, b, qkv.stride(0), qkv.stride(1),
             dq.stride(-3), dq.stride(-2), dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2),
             *ctx.eps, QPG=qpg, HALF=head // 2, BH=_block(head), BT=TOKENS_PER_PROGRAM, num_warps=WARPS,
