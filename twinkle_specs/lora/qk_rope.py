@@ -85,20 +85,26 @@ if triton is not None:
         tl.store(dst + HALF, (rstd * (g2 - xh2 * dot)).to(dtype), mask=m)
 
     @triton.jit
-    def _qk_rope_fwd_kernel(qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, q_ptr, k_ptr, v_ptr, T, B, s_tok, s_grp,
-                    eps_q, eps_k, QPG: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr,
-                    BT: tl.constexpr):  # fmt: skip
-        """Program (token block, query group): that group's query heads, key and value of ``BT`` tokens
-        (token ``t`` at sequence position ``t // B``) into contiguous [T, heads, 2 * HALF] outputs; a half
-        head of ``HALF`` columns is a block of ``BH`` (a power of two), masked."""
+    def _rows(qkv_ptr, freqs_ptr, T, B, s_tok, s_grp, HALF: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr):
+        """This program's tile: the mask, cos and sin, tokens (int64, token ``t`` at sequence position
+        ``t // B``), columns, and its query group's QKV rows; a half head of ``HALF`` columns is a block
+        of ``BH`` (a power of two), masked."""
         t = tl.program_id(0) * BT + tl.arange(0, BT)
-        g = tl.program_id(1)
-        groups = tl.num_programs(1)
         c = tl.arange(0, BH)[None, :]
         m = (t < T)[:, None] & (c < HALF)
         c1, s1, c2, s2 = _cos_sin(freqs_ptr, t // B, m, HALF, BH)
         t64 = t.to(tl.int64)[:, None]
-        row = qkv_ptr + t64 * s_tok + g * s_grp + c
+        return m, c1, s1, c2, s2, t64, c, qkv_ptr + t64 * s_tok + tl.program_id(1) * s_grp + c
+
+    @triton.jit
+    def _qk_rope_fwd_kernel(
+        qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, q_ptr, k_ptr, v_ptr, T, B, s_tok, s_grp, eps_q, eps_k,
+        QPG: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
+    ):  # fmt: skip
+        """Program (token block, query group): that group's query heads, key and value of ``BT`` tokens
+        into contiguous [T, heads, 2 * HALF] outputs."""
+        m, c1, s1, c2, s2, t64, c, row = _rows(qkv_ptr, freqs_ptr, T, B, s_tok, s_grp, HALF, BH, BT)
+        g, groups = tl.program_id(1), tl.num_programs(1)
         for j in tl.static_range(QPG):
             dst = q_ptr + (t64 * groups * QPG + g * QPG + j) * (2 * HALF) + c
             _norm_rope(row + j * 2 * HALF, dst, wq_ptr, eps_q, m, c1, s1, c2, s2, HALF, BH)
@@ -109,18 +115,15 @@ if triton is not None:
         tl.store(v_ptr + out + HALF, tl.load(v + HALF, mask=m), mask=m)
 
     @triton.jit
-    def _qk_rope_bwd_kernel(qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, T, B, s_tok,
-                    s_grp, q_tok, q_head, k_tok, k_head, v_tok, v_head, eps_q, eps_k, QPG: tl.constexpr,
-                    HALF: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr):  # fmt: skip
+    def _qk_rope_bwd_kernel(
+        qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, T, B, s_tok, s_grp,
+        q_tok, q_head, k_tok, k_head, v_tok, v_head, eps_q, eps_k,
+        QPG: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
+    ):  # fmt: skip
         """The forward's programs in reverse: the QKV output's gradient [T, groups, (QPG + 2) * 2 * HALF]
         from the query's, key's and value's (strided [T, heads, 2 * HALF] each)."""
-        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        m, c1, s1, c2, s2, t64, c, row = _rows(qkv_ptr, freqs_ptr, T, B, s_tok, s_grp, HALF, BH, BT)
         g = tl.program_id(1)
-        c = tl.arange(0, BH)[None, :]
-        m = (t < T)[:, None] & (c < HALF)
-        c1, s1, c2, s2 = _cos_sin(freqs_ptr, t // B, m, HALF, BH)
-        t64 = t.to(tl.int64)[:, None]
-        row = qkv_ptr + t64 * s_tok + g * s_grp + c
         drow = dqkv_ptr + (t64 * tl.num_programs(1) + g) * ((QPG + 2) * 2 * HALF) + c
         for j in tl.static_range(QPG):
             src = dq_ptr + t64 * q_tok + (g * QPG + j) * q_head + c
