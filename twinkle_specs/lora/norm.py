@@ -83,16 +83,20 @@ def _heads_view(t: torch.Tensor) -> torch.Tensor:
         return t.contiguous().view(shape)
 
 
-def _use_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    n = x.shape[-1]
+def frozen_on_gpu(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether Triton kernels for norm weights that get no gradient here can run on ``x``: Triton, CUDA,
+    a float dtype (also :mod:`.qk_rope`'s condition, besides its head width)."""
     return (
         triton is not None
         and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and n <= MAX_WIDTH
-        and n & (n - 1) == 0
-        and not (weight.requires_grad and torch.is_grad_enabled())
+        and not (torch.is_grad_enabled() and any(w.requires_grad for w in weights))
     )
+
+
+def _use_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    n = x.shape[-1]
+    return frozen_on_gpu(x, weight) and n <= MAX_WIDTH and n & (n - 1) == 0
 
 
 class FrozenRMSNorm(torch.autograd.Function):

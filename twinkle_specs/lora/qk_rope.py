@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .norm import MAX_WIDTH, _heads_view
+from .norm import MAX_WIDTH, _heads_view, frozen_on_gpu
 
 try:
     import triton
@@ -143,16 +143,9 @@ def _block(head: int) -> int:
 
 
 def fusable(x: torch.Tensor, head: int, *weights: torch.Tensor) -> bool:
-    """Whether :func:`qk_norm_rope` runs for activations like ``x``: Triton, CUDA, a float dtype, an
-    even head width, norm weights that get no gradient here."""
-    return (
-        triton is not None
-        and x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and 2 <= head <= MAX_WIDTH
-        and head % 2 == 0
-        and not (torch.is_grad_enabled() and any(w.requires_grad for w in weights))
-    )
+    """Whether :func:`qk_norm_rope` runs for activations like ``x``: :func:`~.norm.frozen_on_gpu` and an
+    even head width."""
+    return frozen_on_gpu(x, *weights) and 2 <= head <= MAX_WIDTH and head % 2 == 0
 
 
 class QKNormRope(torch.autograd.Function):
