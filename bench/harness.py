@@ -331,9 +331,14 @@ def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool) -> dict[st
         if on_gpu()
         else "CPU run: times are host self-time of operators",
     }
+    gaps = timeline_gaps(prof.events(), n) if on_gpu() else None
+    if gaps:
+        summary["device_idle"] = {k: v for k, v in gaps.items() if k != "largest"}
     out_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"== {tag}", f"wall {wall_ms:.1f} ms/step, device busy {busy_ms:.1f} ms/step"]
     lines += [f"  {k:<16} {v:9.2f} ms/step" for k, v in per_step_ms.items()]
+    if gaps:
+        lines += _gap_lines(gaps)
     cpu_table = averages.table(sort_by="cpu_time_total", row_limit=25)
     host = _host_profile(step, n)
     text = "\n\n".join(
@@ -353,6 +358,67 @@ def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool) -> dict[st
     return summary
 
 
+SHORT_GAP_US = 20.0  # idle stretches below this are launch gaps between queued kernels (in a CUDA graph)
+
+
+def timeline_gaps(events, n: int) -> dict[str, Any] | None:
+    """Where the GPU sat idle over the profiled steps, from the kernels' (and copies') start and end
+    times: the idle time per step inside each phase range (``RANGES``, by the GPU side of its
+    annotation), split into short gaps (under ``SHORT_GAP_US``: the GPU between two queued kernels) and
+    long ones (the GPU waiting for the host), and the longest gaps with the kernels either side. The
+    summed kernel time of the table above double-counts nothing but says nothing of this."""
+    spans, phases = [], []
+    for ev in events:
+        if not str(getattr(ev, "device_type", "")).endswith("CUDA"):
+            continue
+        start, end = ev.time_range.start, ev.time_range.end
+        if ev.name in RANGES:
+            phases.append((start, end, ev.name))
+        elif ev.name != "Activity Buffer Request" and not ev.name.startswith("Optimizer.") and end > start:
+            spans.append((start, end, ev.name))
+    if not spans:
+        return None
+    spans.sort()
+    idle: dict[str, list[float]] = {}
+    largest: list[tuple[float, str, str, str]] = []
+    reach, last = spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > reach:
+            gap = start - reach
+            mid = (start + reach) / 2
+            phase = next((p for a, b, p in phases if a <= mid <= b), "between ranges")
+            kind = "short" if gap < SHORT_GAP_US else "long"
+            slot = idle.setdefault(f"{phase} {kind}", [0.0, 0])
+            slot[0] += gap
+            slot[1] += 1
+            largest.append((gap, phase, last, name))
+        if end >= reach:
+            reach, last = end, name
+    largest.sort(reverse=True)
+    total = sum(v[0] for v in idle.values())
+    return {
+        "span_ms_per_step": (reach - spans[0][0]) / 1e3 / n,
+        "idle_ms_per_step": total / 1e3 / n,
+        "by_phase_ms_per_step": {k: v[0] / 1e3 / n for k, v in sorted(idle.items())},
+        "gaps_per_step": {k: v[1] / n for k, v in sorted(idle.items())},
+        "largest": [
+            {"us": round(g, 1), "phase": p, "after": a[:70], "before": b[:70]} for g, p, a, b in largest[:12]
+        ],
+    }
+
+
+def _gap_lines(gaps: dict[str, Any]) -> list[str]:
+    lines = [
+        f"GPU timeline: {gaps['span_ms_per_step']:.2f} ms/step from first to last kernel, "
+        f"idle {gaps['idle_ms_per_step']:.2f} ms/step (short gaps < {SHORT_GAP_US:.0f} us):"
+    ]
+    for k, ms in gaps["by_phase_ms_per_step"].items():
+        lines.append(f"  idle {k:<26} {ms:7.3f} ms/step in {gaps['gaps_per_step'][k]:7.1f} gaps")
+    lines.append("  longest gaps (us, range, kernel before -> kernel after):")
+    lines += [f"    {g['us']:8.1f}  {g['phase']:<10} {g['after']} -> {g['before']}" for g in gaps["largest"]]
+    return lines
+
+
 def _host_profile(step, n: int) -> str:
     """cProfile of ``n`` steps: where the host's time goes when the GPU waits on it (launch-bound)."""
     import cProfile
@@ -366,7 +432,12 @@ def _host_profile(step, n: int) -> str:
     _sync()
     prof.disable()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(30)
+    buf.write("\nmegatron's optimizer and DDP calls, by cumulative time:\n")
+    stats.sort_stats("cumulative").print_stats(
+        r"megatron/core/(optimizer|distributed)|transformer_engine/pytorch/optimizers", 40
+    )
     return buf.getvalue()
 
 

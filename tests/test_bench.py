@@ -603,6 +603,40 @@ def test_phase_clock_spans_run_from_each_phase_to_the_next():
         PhaseClock.spans(steps, [_Stamp(100)])
 
 
+def test_timeline_gaps_split_idle_by_phase_and_length():
+    """The GPU's idle stretches between kernels, attributed to the phase range they fall in and split
+    at SHORT_GAP_US; overlapping kernels (two streams) leave no gap, CPU events are ignored."""
+    from types import SimpleNamespace
+
+    from bench.harness import SHORT_GAP_US, timeline_gaps
+
+    def ev(name, start, end, device="DeviceType.CUDA"):
+        return SimpleNamespace(
+            name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    events = [
+        ev("forward", 0, 100),
+        ev("backward", 100, 400),
+        ev("optimizer", 400, 1000),
+        ev("gemm", 0, 50),
+        ev("norm", 55, 100),  # 5 us: a short forward gap
+        ev("bwd_a", 100, 300),
+        ev("bwd_b", 250, 390),  # overlaps bwd_a: no gap
+        ev("adam", 900, 1000),  # 510 us after bwd_b: a long optimizer gap
+        ev("cpu_op", 0, 1000, device="DeviceType.CPU"),
+        ev("Activity Buffer Request", 390, 900),
+    ]
+    gaps = timeline_gaps(events, n=2)
+    assert SHORT_GAP_US > 5
+    assert gaps["by_phase_ms_per_step"] == pytest.approx({"forward short": 0.0025, "optimizer long": 0.255})
+    assert gaps["gaps_per_step"] == {"forward short": 0.5, "optimizer long": 0.5}
+    assert gaps["idle_ms_per_step"] == pytest.approx(0.2575)
+    assert gaps["span_ms_per_step"] == pytest.approx(0.5)
+    assert gaps["largest"][0] == {"us": 510.0, "phase": "optimizer", "after": "bwd_b", "before": "adam"}
+    assert timeline_gaps([ev("cpu_op", 0, 1, device="DeviceType.CPU")], n=1) is None
+
+
 def test_parent_process_stays_light():
     """bench/run.py's own process imports no twinkle_specs/megatron/TE (so on the GPU machine it holds
     no CUDA context while the variants run in their child processes)."""
