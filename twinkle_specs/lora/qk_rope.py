@@ -126,11 +126,12 @@ if triton is not None:
         return m, c1, s1, c2, s2, t64, c, qkv_ptr + t64 * s_tok + tl.program_id(1) * s_grp + c
 
     @triton.jit
-    def _h_rows(h_ptr, t64, T, R, BR: tl.constexpr):
-        """This tile's rows of the adapter's h [T, R] (zeros past the end; all zeros, nothing read, for
-        R = 0: no adapter)."""
-        r = tl.arange(0, BR)[None, :]
-        return tl.load(h_ptr + t64 * R + r, mask=(t64 < T) & (r < R), other=0.0)
+    def _h_rows(h_ptr, t64, T, R, LORA: tl.constexpr, BR: tl.constexpr):
+        """This tile's rows of the adapter's h [T, R] (zeros past the end); nothing without ``LORA``."""
+        if LORA:
+            r = tl.arange(0, BR)[None, :]
+            return tl.load(h_ptr + t64 * R + r, mask=(t64 < T) & (r < R), other=0.0)
+        return 0.0
 
     @triton.jit
     def _qk_rope_fwd_kernel(
@@ -143,7 +144,7 @@ if triton is not None:
         into contiguous [T, heads, 2 * HALF] outputs."""
         m, c1, s1, c2, s2, t64, c, row = _rows(qkv_ptr, freqs_ptr, T, B, s_tok, s_grp, HALF, BH, BT)
         g, groups = tl.program_id(1), tl.num_programs(1)
-        hv, col = _h_rows(h_ptr, t64, T, R, BR), g * (QPG + 2) * 2 * HALF
+        hv, col = _h_rows(h_ptr, t64, T, R, LORA, BR), g * (QPG + 2) * 2 * HALF
         for j in tl.static_range(QPG):
             dst = q_ptr + (t64 * groups * QPG + g * QPG + j) * (2 * HALF) + c
             off = j * 2 * HALF
@@ -170,7 +171,7 @@ if triton is not None:
         m, c1, s1, c2, s2, t64, c, row = _rows(qkv_ptr, freqs_ptr, T, B, s_tok, s_grp, HALF, BH, BT)
         g = tl.program_id(1)
         drow = dqkv_ptr + (t64 * tl.num_programs(1) + g) * ((QPG + 2) * 2 * HALF) + c
-        hv, col = _h_rows(h_ptr, t64, T, R, BR), g * (QPG + 2) * 2 * HALF
+        hv, col = _h_rows(h_ptr, t64, T, R, LORA, BR), g * (QPG + 2) * 2 * HALF
         for j in tl.static_range(QPG):
             src = dq_ptr + t64 * q_tok + (g * QPG + j) * q_head + c
             off = j * 2 * HALF
