@@ -5,12 +5,7 @@ CUDA-graph-replayed ms per call, as JSON lines: megatron-core's unfused path as 
 fused kernels' launch sizes, with the largest differences between the two. Shape: a Qwen3-8B layer
 (8 query groups of 4 heads, head 128) at 4096 tokens.
 
-With ``--lora-r R`` (q, k and v adapted at rank R: h of 3R columns, the fused B [QKV width, 3R]) the two
-paths also add the adapter's ``h @ Bᵀ``: megatron's after the in-place B GEMM
-(:class:`~twinkle_specs.lora.functions.AddLowRank`), the fused one inside its kernels; both start from a
-fresh copy of the QKV output, as the base GEMM writes it anew each step (the copy costs both the same).
-
-    PYTHONPATH=. python bench/qk_rope.py [--tokens 4096 --iters 50 --lora-r 16]
+    PYTHONPATH=. python bench/qk_rope.py [--tokens 4096 --iters 50]
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from swiglu_lora import graph_ms
 
 from twinkle_specs.lora import qk_rope
-from twinkle_specs.lora.functions import AddLowRank
 from twinkle_specs.lora.norm import QKNorm
 
 GROUPS, QPG, HEAD = 8, 4, 128
@@ -38,14 +32,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--lora-r", type=int, default=0, help="adapter rank of q, k and v (0: no adapter)")
     args = ap.parse_args()
     config = TransformerConfig(
         num_layers=1, hidden_size=4096, num_attention_heads=GROUPS * QPG, num_query_groups=GROUPS,
         kv_channels=HEAD, normalization="RMSNorm", bf16=True, params_dtype=torch.bfloat16,
         apply_rope_fusion=True,
     )  # fmt: skip
-    print(json.dumps({"device": torch.cuda.get_device_name(), "tokens": args.tokens, "lora_r": args.lora_r}))
+    print(json.dumps({"device": torch.cuda.get_device_name(), "tokens": args.tokens}))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29531"))
     torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     ps.initialize_model_parallel()  # megatron's RoPE reads the context-parallel group
@@ -53,17 +46,6 @@ def main() -> None:
     s = args.tokens
     mixed = torch.randn(s, 1, GROUPS * (QPG + 2) * HEAD, device="cuda", generator=g).to(torch.bfloat16)
     mixed.requires_grad_(True)
-    width, rank = mixed.shape[-1], 3 * args.lora_r
-    h = (
-        (torch.randn(s, 1, rank, device="cuda", generator=g) * 0.5)
-        .to(torch.bfloat16)
-        .requires_grad_(bool(rank))
-    )
-    b = (
-        (torch.randn(width, rank, device="cuda", generator=g) * 0.1)
-        .to(torch.bfloat16)
-        .requires_grad_(bool(rank))
-    )
     shapes = ((s, 1, GROUPS * QPG, HEAD), (s, 1, GROUPS, HEAD), (s, 1, GROUPS, HEAD))
     grads = [torch.randn(*sh, device="cuda", generator=g).to(torch.bfloat16) for sh in shapes]
     inv = 1.0 / 1e6 ** (torch.arange(0, HEAD, 2, device="cuda", dtype=torch.float32) / HEAD)
@@ -77,8 +59,7 @@ def main() -> None:
         norms.append(norm.requires_grad_(False))
 
     def unfused():
-        out = AddLowRank.apply(mixed.clone(), h, b) if rank else mixed
-        sizes, grouped = [QPG * HEAD, HEAD, HEAD], out.view(s, 1, GROUPS, -1)
+        sizes, grouped = [QPG * HEAD, HEAD, HEAD], mixed.view(s, 1, GROUPS, -1)
         # as megatron's attention splits: TE's SplitAlongDim where its extension has it, else torch's
         q, k, v = SplitAlongDim(grouped, 3, sizes) if SplitAlongDim else torch.split(grouped, sizes, 3)
         q = norms[0](q.reshape(s, 1, -1, HEAD))
@@ -86,12 +67,10 @@ def main() -> None:
         return apply_rotary_pos_emb(q, freqs, config), apply_rotary_pos_emb(k, freqs, config), v
 
     def fused():
-        if rank:
-            return qk_rope.qk_norm_rope(mixed.clone(), GROUPS, norms[0], norms[1], freqs, (h, b))
         return qk_rope.qk_norm_rope(mixed, GROUPS, norms[0], norms[1], freqs)
 
     def step(fn):
-        mixed.grad = h.grad = b.grad = None
+        mixed.grad = None
         outs = fn()
         torch.autograd.backward(outs, grads)
         return outs
@@ -99,7 +78,7 @@ def main() -> None:
     results = {}
     for name, fn in (("megatron", unfused), ("fused", fused)):
         outs = [t.detach().clone() for t in step(fn)]
-        results[name] = (outs, [t.grad.clone() for t in (mixed, h, b) if t.requires_grad])
+        results[name] = (outs, mixed.grad.clone())
         print(
             json.dumps({"path": name, "fwd_bwd_ms": round(graph_ms(lambda fn=fn: step(fn), args.iters), 4)})
         )
@@ -108,24 +87,22 @@ def main() -> None:
         f"max_abs_diff_{n}": (a.float() - b.float()).abs().max().item()
         for n, a, b in zip("qkv", ref, got, strict=True)
     }
-    for n, a, b_ in zip(("dqkv", "dh", "dB"), dref, dgot, strict=False):
-        diffs[f"max_abs_diff_{n}"] = (a.float() - b_.float()).abs().max().item()
-        diffs[f"max_abs_{n}"] = a.float().abs().max().item()
-    diffs["max_abs_q"] = ref[0].float().abs().max().item()
+    diffs |= {
+        "max_abs_diff_dqkv": (dref.float() - dgot.float()).abs().max().item(),
+        "max_abs_dqkv": dref.float().abs().max().item(),
+        "max_abs_q": ref[0].float().abs().max().item(),
+    }
     print(json.dumps({"fused_vs_megatron": diffs}))
-    knob = "LORA_TOKENS_PER_PROGRAM" if rank else "TOKENS_PER_PROGRAM"
-    default = (getattr(qk_rope, knob), qk_rope.WARPS)
-    for bt, warps in itertools.product((16, 32, 64) if rank else (8, 16, 32, 64), (2, 4, 8)):
-        setattr(qk_rope, knob, bt)
-        qk_rope.WARPS = warps
+    default = (qk_rope.TOKENS_PER_PROGRAM, qk_rope.WARPS)
+    for bt, warps in itertools.product((8, 16, 32, 64), (2, 4, 8)):
+        qk_rope.TOKENS_PER_PROGRAM, qk_rope.WARPS = bt, warps
         ms = graph_ms(lambda: step(fused), args.iters)
         print(
             json.dumps(
                 {"path": "fused", "tokens_per_program": bt, "warps": warps, "fwd_bwd_ms": round(ms, 4)}
             )
         )
-    setattr(qk_rope, knob, default[0])
-    qk_rope.WARPS = default[1]
+    qk_rope.TOKENS_PER_PROGRAM, qk_rope.WARPS = default
 
 
 if __name__ == "__main__":

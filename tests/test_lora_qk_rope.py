@@ -5,9 +5,7 @@ Kernels, interpreted on CPU, against an fp64 reference that rounds where the unf
 (fp32 1e-5, fp16 2e-3, bf16 1.6e-2; measured fp32 1.7e-7, fp16 4.5e-4, bf16 1.3e-2 on the interpreter,
 which truncates bf16 casts). The attention (:class:`LoraSelfAttention`, fp32, interpreted) against
 megatron's own SelfAttention path on the same weights (QKNorm, megatron's unfused RoPE): output, input
-gradient and linear_qkv's weight gradient to rel 1e-5 (measured <= 3.2e-7), and with an adapted
-linear_qkv whose B the kernels add, its factors' gradients too (measured <= 3.1e-7). Kernel cases with an
-adapter (h and B handed over): measured fp32 2.4e-7, fp16 3.7e-4, bf16 1.2e-2. The fallback conditions:
+gradient and linear_qkv's weight gradient to rel 1e-5 (measured <= 3.2e-7). The fallback conditions:
 each one that the fused kernels do not cover sends the forward down megatron's path."""
 
 from __future__ import annotations
@@ -58,23 +56,17 @@ def _reference(mixed, wq, wk, freqs, groups, head, eps, dtype):
 
 def _kernel_errors(device: str, cases: tuple) -> dict:
     """The fused function (kernels, forced) against :func:`_reference`: outputs and the QKV gradient
-    (reference gradient by fp64 autograd through the roundings' values), per dtype and case. A case
-    with an adapter rank ``r`` also hands over ``h`` [s, b, r] and B [width, r] (the reference adds
-    ``h @ Bᵀ`` and rounds the sum) and compares their gradients."""
+    (reference gradient by fp64 autograd through the roundings' values), per dtype and case."""
     fwd, bwd = CountingKernel(R._qk_rope_fwd_kernel), CountingKernel(R._qk_rope_bwd_kernel)
     R._qk_rope_fwd_kernel, R._qk_rope_bwd_kernel = fwd, bwd
     errors: dict = {}
     try:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for s, b, groups, qpg, head, r in cases:
-                g = torch.Generator().manual_seed(s * 7 + groups + head + r)
+            for s, b, groups, qpg, head in cases:
+                g = torch.Generator().manual_seed(s * 7 + groups + head)
                 width = groups * (qpg + 2) * head
                 mixed = (torch.randn(s, b, width, generator=g) * 2).to(device=device, dtype=dtype)
                 wq, wk = (torch.rand(head, generator=g) + 0.5 for _ in range(2))
-                lora = (
-                    [torch.randn(s, b, r, generator=g), torch.randn(width, r, generator=g) / 2] if r else []
-                )
-                lora = [t.to(device=device, dtype=dtype) for t in lora]
                 freqs = _freqs(s, head)
                 grads = [torch.randn(s, b, n, head, generator=g) for n in (groups * qpg, groups, groups)]
                 # strided gradients, as attention backwards may hand them over
@@ -82,44 +74,30 @@ def _kernel_errors(device: str, cases: tuple) -> dict:
                     t.transpose(0, 1).contiguous().transpose(0, 1).to(device=device, dtype=dtype)
                     for t in grads
                 ]
-                inputs = [t.detach().clone().requires_grad_(True) for t in [mixed, *lora]]
+                x = mixed.detach().clone().requires_grad_(True)
                 outs = R.QKNormRope.apply(
-                    inputs[0], wq.to(device, dtype), wk.to(device, dtype), freqs.view(s, head).to(device),
-                    groups, head, 1e-6, 1e-6, *inputs[1:],
+                    x, wq.to(device, dtype), wk.to(device, dtype), freqs.view(s, head).to(device),
+                    groups, head, 1e-6, 1e-6,
                 )  # fmt: skip
                 torch.autograd.backward(outs, grads)
-                refs = [t.detach().double().cpu().requires_grad_(True) for t in [mixed, *lora]]
-                xr = refs[0]
-                if r:  # the sum rounded once, as the B GEMM's beta = 1 output is (gradient: identity)
-                    xr = xr + refs[1] @ refs[2].t()
-                    xr = xr + (xr.detach().to(dtype).double() - xr.detach())
+                xr = mixed.detach().double().cpu().requires_grad_(True)
                 wq_r, wk_r = wq.to(dtype).double(), wk.to(dtype).double()
                 want = _reference(xr, wq_r, wk_r, freqs, groups, head, 1e-6, dtype)
                 torch.autograd.backward(want, [t.double().cpu() for t in grads])
-                key = f"{str(dtype)[6:]}/{s}x{b}x{groups}x{qpg}x{head}" + (f"-r{r}" if r else "")
+                key = f"{str(dtype)[6:]}/{s}x{b}x{groups}x{qpg}x{head}"
                 for name, got, ref in zip("qkv", outs, want, strict=True):
                     errors[f"{key}/{name}"] = _rel(got.detach().cpu(), ref.detach())
                     errors[f"{key}/{name}-shape"] = float(got.shape != ref.shape or not got.is_contiguous())
-                for name, got, ref in zip(("dqkv", "dh", "dB"), inputs, refs, strict=False):
-                    errors[f"{key}/{name}"] = _rel(got.grad.cpu(), ref.grad)
+                errors[f"{key}/dqkv"] = _rel(x.grad.cpu(), xr.grad)
     finally:
         R._qk_rope_fwd_kernel, R._qk_rope_bwd_kernel = fwd.kernel, bwd.kernel
     errors["launches"] = (fwd.launches, bwd.launches)
     return errors
 
 
-# (s, b, groups, query heads per group, head, adapter rank or 0): one token block and ragged ones,
-# MHA-like and GQA, micro-batch 1 and 2 (the sequence position is the token index // b), a head of 24
-# (masked columns); with an adapter: ranks below, at and above one tl.dot tile, heads of 32 and 40
-INTERPRETED = (
-    (5, 1, 1, 1, 16, 0),
-    (7, 2, 2, 3, 16, 0),
-    (33, 1, 2, 2, 32, 0),
-    (6, 2, 2, 2, 24, 0),
-    (5, 1, 1, 1, 32, 4),
-    (17, 2, 2, 3, 32, 16),
-    (9, 2, 2, 2, 40, 48),
-)
+# (s, b, groups, query heads per group, head): one token block and ragged ones, MHA-like and GQA,
+# micro-batch 1 and 2 (the sequence position is the token index // b), a head of 24 (masked columns)
+INTERPRETED = ((5, 1, 1, 1, 16), (7, 2, 2, 3, 16), (33, 1, 2, 2, 32), (6, 2, 2, 2, 24))
 
 
 def _assert_kernels(errors: dict) -> None:
@@ -131,39 +109,26 @@ def _assert_kernels(errors: dict) -> None:
 # -- the attention -------------------------------------------------------------------------------
 
 
-def _attention(apply_rope_fusion: bool, head: int = 16, lora: bool = False):
+def _attention(apply_rope_fusion: bool):
     """A LoraSelfAttention as the LoRA spec builds it around the portable path's linears and core
-    attention (fp32, CPU), QKNorm q/k norms with frozen random weights; with ``lora``, linear_qkv adapted
-    on q, k and v at ranks 4, 2 and 4 (zero blocks in the fused B) with random factors."""
+    attention (fp32, CPU), QKNorm q/k norms with frozen random weights."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from twinkle_specs.lora.attention import LoraSelfAttention
-    from twinkle_specs.lora.config import SlotSpec
-    from twinkle_specs.lora.layers import LoraColumnParallelLinear
     from twinkle_specs.lora.norm import QKNorm
     from twinkle_specs.spec import SDPACoreAttention
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=48, num_attention_heads=4, num_query_groups=2, kv_channels=head,
+        num_layers=1, hidden_size=48, num_attention_heads=4, num_query_groups=2, kv_channels=16,
         normalization="RMSNorm", qk_layernorm=True, use_cpu_initialization=True,
         layernorm_epsilon=1e-6, attention_dropout=0.0,
     )  # fmt: skip
     config.apply_rope_fusion = apply_rope_fusion  # after the config's check that TE is installed
-    qkv = ColumnParallelLinear
-    if lora:
-        slots = {
-            "q_proj": SlotSpec(4, 8, False),
-            "k_proj": SlotSpec(2, 4, False),
-            "v_proj": SlotSpec(4, 8, True),
-        }
-        params = {"lora_site": "linear_qkv", "lora_slots": slots, "lora_dropout": 0.0}
-        qkv = ModuleSpec(module=LoraColumnParallelLinear, params=params)
     sub = SelfAttentionSubmodules(
-        linear_qkv=qkv, core_attention=SDPACoreAttention, linear_proj=RowParallelLinear,
+        linear_qkv=ColumnParallelLinear, core_attention=SDPACoreAttention, linear_proj=RowParallelLinear,
         q_layernorm=QKNorm, k_layernorm=QKNorm,
     )  # fmt: skip
     attn = LoraSelfAttention(config, sub, layer_number=1, attn_mask_type=AttnMaskType.causal)
@@ -180,63 +145,47 @@ def _attention(apply_rope_fusion: bool, head: int = 16, lora: bool = False):
     return attn
 
 
-def _attention_errors(head: int = 16, lora: bool = False) -> dict:
+def _attention_errors() -> dict:
     """The fused forward (kernels interpreted; the CUDA condition forced) against megatron's path on
-    the same module: output, input gradient, linear_qkv's weight gradient (with ``lora``: its factors'
-    gradients, and the kernels add the adapter's B themselves)."""
+    the same module: output, input gradient, linear_qkv's weight gradient."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     import twinkle_specs.lora.attention as A
 
-    if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-        ps.initialize_model_parallel(1, 1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
     s, b = 9, 2
     x = torch.randn(s, b, 48, generator=torch.Generator().manual_seed(5))
     grad = torch.randn(s, b, 48, generator=torch.Generator().manual_seed(6))
     results = []
     fusable = A.fusable
     for fused in (False, True):  # unfused: megatron's own RoPE (its fusion needs TE)
-        attn = _attention(apply_rope_fusion=fused, head=head, lora=lora)
+        attn = _attention(apply_rope_fusion=fused)
         launches = R._qk_rope_fwd_kernel = CountingKernel(R._qk_rope_fwd_kernel)
         A.fusable = (lambda *_: True) if fused else fusable
-        folded = []
-        add = attn.linear_qkv._lora_add if lora else None
-        if lora:  # an adapter's B GEMM left to the kernels never runs as a separate sum
-            attn.linear_qkv._lora_add = lambda *a, _n=folded, _add=add: _n.append(1) or _add(*a)
         try:
             xi = x.clone().requires_grad_(True)
-            out, _ = attn(xi, None, rotary_pos_emb=_freqs(s, head))
+            out, _ = attn(xi, None, rotary_pos_emb=_freqs(s, 16))
             out.backward(grad)
         finally:
             R._qk_rope_fwd_kernel, A.fusable = launches.kernel, fusable
-        names = ("weight", "lora_A", "lora_B") if lora else ("weight",)
-        dws = [getattr(attn.linear_qkv, n).grad.clone() for n in names]
-        results.append((out.detach(), xi.grad, dws, [launches.launches, len(folded)]))
+        results.append((out.detach(), xi.grad, attn.linear_qkv.weight.grad.clone(), launches.launches))
     (o0, dx0, dw0, n0), (o1, dx1, dw1, n1) = results
-    errors = {"out": _rel(o1, o0), "dx": _rel(dx1, dx0), "launches": [n0, n1]}
-    for name, got, want in zip(("dw_qkv", "dA", "dB"), dw1, dw0, strict=False):
-        assert want.abs().max() > 0, name
-        errors[name] = _rel(got, want)
-    return errors
+    return {"out": _rel(o1, o0), "dx": _rel(dx1, dx0), "dw_qkv": _rel(dw1, dw0), "launches": [n0, n1]}
 
 
 @pytest.mark.skipif(not TRITON, reason="triton is not installed")
 def test_kernels_and_attention_under_interpreter():
     """The kernels against fp64 (module docstring's tolerances), and the attention's fused path against
-    megatron's: 1e-5 relative in fp32; the fused forward launches the kernel once, megatron's never.
-    With an adapted linear_qkv (head 32) the kernels add its B: no separate sum runs."""
+    megatron's: 1e-5 relative in fp32; the fused forward launches the kernel once, megatron's never."""
     errors = interpreted(__file__)
-    attention, adapted = errors.pop("attention"), errors.pop("attention_lora")
+    attention = errors.pop("attention")
     assert errors.pop("launches") == [3 * len(INTERPRETED)] * 2, errors
     _assert_kernels(errors)
-    assert attention.pop("launches") == [[0, 0], [1, 0]], attention
-    # megatron's path: no kernel, the in-place B sum; the fused one: one kernel, no separate sum
-    assert adapted.pop("launches") == [[0, 1], [1, 0]], adapted
-    assert set(adapted) == {"out", "dx", "dw_qkv", "dA", "dB"}
-    for key, err in [*attention.items(), *adapted.items()]:
+    assert attention.pop("launches") == [0, 1], attention
+    for key, err in attention.items():
         assert err <= 1e-5, (key, err)
 
 
@@ -268,32 +217,12 @@ def test_unsupported_forwards_take_megatrons_path(single_rank, monkeypatch):  # 
     assert attn._fused_rope(args) is None
 
 
-@pytest.mark.skipif(not TRITON, reason="triton is not installed")
-def test_lora_fits_only_what_the_kernels_take():
-    """The kernels add an adapter's B only for one dtype throughout, B rows matching the QKV width,
-    h as wide as B, at most MAX_LORA_WIDTH columns and a half head of 9 or more columns (a tl.dot
-    tile); anything else leaves the sum to the in-place B GEMM."""
-    mixed, h, b = torch.zeros(4, 1, 384), torch.zeros(4, 1, 48), torch.zeros(384, 48)
-    assert R.lora_fits(mixed, 32, h, b)
-    assert R.lora_fits(mixed, 18, h, b)
-    assert not R.lora_fits(mixed, 16, h, b)  # half head 8: below a tl.dot tile
-    assert not R.lora_fits(mixed.half(), 32, h, b)
-    assert not R.lora_fits(mixed, 32, h, b.half())
-    assert not R.lora_fits(mixed, 32, h, b[:-1])
-    assert not R.lora_fits(mixed, 32, h[..., :-1], b)
-    wide = R.MAX_LORA_WIDTH + 1
-    assert not R.lora_fits(mixed, 32, torch.zeros(4, 1, wide), torch.zeros(384, wide))
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or R.triton is None, reason="needs a CUDA GPU and Triton")
 def test_kernels_on_cuda_match_the_reference():
     """The compiled kernels against fp64 at a Qwen3-8B layer's shape (4096 tokens, 8 groups of 4 query
-    heads, head 128) and a ragged small one, each without and with an adapter (q, k, v at rank 16: h of
-    48 columns); the interpreted test's tolerances."""
-    errors = _kernel_errors(
-        "cuda", ((1024, 4, 8, 4, 128, 0), (7, 2, 2, 3, 16, 0), (1024, 4, 8, 4, 128, 48), (7, 2, 2, 3, 32, 16))
-    )
+    heads, head 128) and a ragged small one; the interpreted test's tolerances."""
+    errors = _kernel_errors("cuda", ((1024, 4, 8, 4, 128), (7, 2, 2, 3, 16)))
     print(json.dumps(errors))
     errors.pop("launches")
     _assert_kernels(errors)
@@ -302,5 +231,4 @@ def test_kernels_on_cuda_match_the_reference():
 if __name__ == "__main__":
     result = _kernel_errors("cpu", INTERPRETED)
     result["attention"] = _attention_errors()
-    result["attention_lora"] = _attention_errors(head=32, lora=True)
     print(json.dumps(result))

@@ -5,10 +5,6 @@ non-interleaved RoPE over the whole head without YaRN scaling, TE's fused RoPE c
 :class:`~twinkle_specs.lora.norm.QKNorm` with weights that get no gradient, CUDA and Triton), the
 forward passes no rotary embedding on to megatron's and :meth:`get_query_key_value_tensors` returns the
 query and key already normed and rotated. Anywhere else megatron's own path runs unchanged.
-
-An adapted ``linear_qkv`` then leaves its B GEMM to the kernels (:func:`~.qk_rope.lora_fits`): its base
-output and the adapter's ``h`` and B go in apart, and ``h @ Bᵀ`` is added to each row as the forward
-kernel reads it, instead of a read and a write of the whole QKV output by the in-place B GEMM.
 """
 
 from __future__ import annotations
@@ -20,9 +16,8 @@ import torch
 from megatron.core.transformer import attention as mcore_attention
 from megatron.core.transformer.attention import SelfAttention
 
-from .layers import LoraLayerMixin
 from .norm import QKNorm
-from .qk_rope import fusable, lora_fits, qk_norm_rope
+from .qk_rope import fusable, qk_norm_rope
 
 _FORWARD = inspect.signature(SelfAttention.forward)
 # arguments whose presence means a path the fused kernels do not cover
@@ -58,22 +53,10 @@ class LoraSelfAttention(SelfAttention):
         freqs = self._qk_rope_freqs
         if freqs is None:
             return super().get_query_key_value_tensors(hidden_states, key_value_states, *args, **kwargs)
-        mixed_qkv, lora = self._qkv_output(hidden_states)
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
         return qk_norm_rope(
-            mixed_qkv, self.num_query_groups_per_partition, self.q_layernorm, self.k_layernorm, freqs, lora
+            mixed_qkv, self.num_query_groups_per_partition, self.q_layernorm, self.k_layernorm, freqs
         )
-
-    def _qkv_output(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
-        """linear_qkv's output, and ``(h, B)`` where an active adapter's ``h @ Bᵀ`` is left for the
-        kernels to add (else None: the output is complete)."""
-        qkv = self.linear_qkv
-        if not (isinstance(qkv, LoraLayerMixin) and qkv.lora_active()):
-            return qkv(hidden_states)[0], None
-        out, _, h = qkv.lora_base_and_hidden(hidden_states)
-        b = qkv.lora_B_fused()
-        if lora_fits(out, self.hidden_size_per_attention_head, h, b):
-            return out, (h, b)
-        return qkv._lora_add(out, h, b), None
 
     def _fused_rope(self, args: dict) -> torch.Tensor | None:
         """The rotary frequencies [s, 1, 1, head] when this forward can take the fused path, else None."""

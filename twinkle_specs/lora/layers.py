@@ -309,11 +309,11 @@ class LoraLayerMixin:
         """Whether the forward adds the adapters (there are slots and they are not merged)."""
         return bool(self.lora_slots) and not self.lora_merged
 
-    def _lora_add(self, out: torch.Tensor, h: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """``out`` plus ``h @ Bᵀ`` (``h`` from :meth:`lora_hidden`, ``b``: :meth:`lora_B_fused` where the
-        caller has it): the B GEMM accumulates into the base output in place
-        (:class:`~twinkle_specs.lora.functions.AddLowRank`) where it can, else an out-of-place sum."""
-        b = self.lora_B_fused() if b is None else b
+    def _lora_add(self, out: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``out`` plus ``h @ Bᵀ`` (``h`` from :meth:`lora_hidden`): the B GEMM accumulates into the
+        base output in place (:class:`~twinkle_specs.lora.functions.AddLowRank`) where it can, else an
+        out-of-place sum."""
+        b = self.lora_B_fused()
         if out.dtype == h.dtype == b.dtype and out.is_contiguous():
             return AddLowRank.apply(out, h, b)
         return out + F.linear(h, b).to(out.dtype)

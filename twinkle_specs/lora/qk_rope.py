@@ -8,12 +8,6 @@ With the norms frozen (LoRA; :mod:`.norm`) none of them needs more than a row of
 forward kernel reads each token's QKV row once and writes the rotated query and key and a contiguous
 value, and one backward kernel writes the QKV gradient in place of the concatenation.
 
-An adapted ``linear_qkv`` (LoRA) hands over its base output and the adapter's rank-r activation ``h``
-and B apart: the forward kernel adds ``h @ Bᵀ`` to each row it reads (rounded to the activation dtype, as
-the in-place B GEMM rounds its sum) and the backward kernel recomputes that sum, so the whole QKV output
-is neither read nor written for the B GEMM. ``h``'s and B's gradients are the GEMMs of the in-place B's
-backward (:class:`~twinkle_specs.lora.functions.AddLowRank`) on the QKV gradient.
-
 The arithmetic is that of the unfused path on the GPU, rounding at the same points: the norm as
 :class:`~twinkle_specs.lora.norm.QKNorm` (fp32 statistics, output rounded to the activation dtype),
 then Transformer Engine's fused RoPE (``apply_rope_fusion``: the frequencies' cos and sin in fp32,
@@ -32,15 +26,11 @@ from .norm import MAX_WIDTH, _heads_view, frozen_on_gpu
 try:
     import triton
     import triton.language as tl
-
-    from .swiglu import _dot
 except ImportError:  # without Triton the attention keeps megatron's unfused path
     triton = None
 
 TOKENS_PER_PROGRAM = 8  # with WARPS: the fastest of bench/qk_rope.py's H200 sweep
-LORA_TOKENS_PER_PROGRAM = 16  # the smallest tile tl.dot takes for the adapter's h @ Bᵀ
 WARPS = 4
-MAX_LORA_WIDTH = 128  # h's columns (the slots' ranks summed) the kernels take
 
 
 if triton is not None:
@@ -59,33 +49,13 @@ if triton is not None:
         return 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
 
     @triton.jit
-    def _halves(
-        src, m, hv, b_ptr, col, R,
-        LORA: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, DOT_F32: tl.constexpr,
-    ):  # fmt: skip
-        """One head's two halves of linear_qkv's output (``src`` at the first, column ``col`` of the QKV
-        output's width) in fp32; with ``LORA``, plus ``hv @ B[col:col + 2 * HALF]ᵀ`` (``hv`` [tokens, BR]
-        this tile's rows of h, B [width, R]) rounded to the output's dtype as the B GEMM's sum is."""
-        x1 = tl.load(src, mask=m, other=0.0)
-        x2 = tl.load(src + HALF, mask=m, other=0.0)
-        if LORA:
-            c = tl.arange(0, BH)[:, None]
-            r = tl.arange(0, BR)[None, :]
-            bm = (c < HALF) & (r < R)
-            rows = b_ptr + (col + c).to(tl.int64) * R + r
-            b1 = tl.load(rows, mask=bm, other=0.0)
-            b2 = tl.load(rows + HALF * R, mask=bm, other=0.0)
-            x1 = (x1.to(tl.float32) + _dot(hv, tl.trans(b1), DOT_F32)).to(x1.dtype)
-            x2 = (x2.to(tl.float32) + _dot(hv, tl.trans(b2), DOT_F32)).to(x2.dtype)
-        return x1.to(tl.float32), x2.to(tl.float32)
-
-    @triton.jit
-    def _norm_rope(x1, x2, dst, w_ptr, eps, m, c1, s1, c2, s2, HALF: tl.constexpr, BH: tl.constexpr):
-        """One head's rows: ``rope(rmsnorm(x) * w)`` of its halves ``x1``, ``x2`` (fp32); ``dst`` points at
-        the first half."""
+    def _norm_rope(src, dst, w_ptr, eps, m, c1, s1, c2, s2, HALF: tl.constexpr, BH: tl.constexpr):
+        """One head's rows: ``rope(rmsnorm(x) * w)``; ``src``/``dst`` point at the first half."""
         c = tl.arange(0, BH)
         cm = c < HALF
         dtype = dst.dtype.element_ty
+        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
         rstd = _rstd(x1, x2, eps, HALF)[:, None]
         y1 = (x1 * rstd * tl.load(w_ptr + c, mask=cm).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
         y2 = (x2 * rstd * tl.load(w_ptr + HALF + c, mask=cm).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
@@ -94,10 +64,9 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_back(
-        dsrc, x1, x2, dst, w_ptr, eps, m, c1, s1, c2, s2, HALF: tl.constexpr, BH: tl.constexpr
+        dsrc, x_src, dst, w_ptr, eps, m, c1, s1, c2, s2, HALF: tl.constexpr, BH: tl.constexpr
     ):
-        """One head's input gradient: RoPE's backward (rounded), then the norm's (no weight gradient), for
-        the forward's halves ``x1``, ``x2`` (fp32)."""
+        """One head's input gradient: RoPE's backward (rounded), then the norm's (no weight gradient)."""
         c = tl.arange(0, BH)
         cm = c < HALF
         dtype = dst.dtype.element_ty
@@ -105,6 +74,8 @@ if triton is not None:
         do2 = tl.load(dsrc + HALF, mask=m, other=0.0).to(tl.float32)
         dy1 = (do1 * c1 + do2 * s2).to(dtype).to(tl.float32)
         dy2 = (do2 * c2 - do1 * s1).to(dtype).to(tl.float32)
+        x1 = tl.load(x_src, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(x_src + HALF, mask=m, other=0.0).to(tl.float32)
         rstd = _rstd(x1, x2, eps, HALF)[:, None]
         g1 = dy1 * tl.load(w_ptr + c, mask=cm).to(tl.float32)[None, :]
         g2 = dy2 * tl.load(w_ptr + HALF + c, mask=cm).to(tl.float32)[None, :]
@@ -126,61 +97,41 @@ if triton is not None:
         return m, c1, s1, c2, s2, t64, c, qkv_ptr + t64 * s_tok + tl.program_id(1) * s_grp + c
 
     @triton.jit
-    def _h_rows(h_ptr, t64, T, R, LORA: tl.constexpr, BR: tl.constexpr):
-        """This tile's rows of the adapter's h [T, R] (zeros past the end); nothing without ``LORA``."""
-        if LORA:
-            r = tl.arange(0, BR)[None, :]
-            return tl.load(h_ptr + t64 * R + r, mask=(t64 < T) & (r < R), other=0.0)
-        return 0.0
-
-    @triton.jit
     def _qk_rope_fwd_kernel(
-        qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, q_ptr, k_ptr, v_ptr, h_ptr, b_ptr, T, B, s_tok, s_grp, R,
-        eps_q, eps_k,
+        qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, q_ptr, k_ptr, v_ptr, T, B, s_tok, s_grp, eps_q, eps_k,
         QPG: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
-        LORA: tl.constexpr, BR: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
         """Program (token block, query group): that group's query heads, key and value of ``BT`` tokens
         into contiguous [T, heads, 2 * HALF] outputs."""
         m, c1, s1, c2, s2, t64, c, row = _rows(qkv_ptr, freqs_ptr, T, B, s_tok, s_grp, HALF, BH, BT)
         g, groups = tl.program_id(1), tl.num_programs(1)
-        hv, col = _h_rows(h_ptr, t64, T, R, LORA, BR), g * (QPG + 2) * 2 * HALF
         for j in tl.static_range(QPG):
             dst = q_ptr + (t64 * groups * QPG + g * QPG + j) * (2 * HALF) + c
-            off = j * 2 * HALF
-            x1, x2 = _halves(row + off, m, hv, b_ptr, col + off, R, LORA, HALF, BH, BR, DOT_F32)
-            _norm_rope(x1, x2, dst, wq_ptr, eps_q, m, c1, s1, c2, s2, HALF, BH)
+            _norm_rope(row + j * 2 * HALF, dst, wq_ptr, eps_q, m, c1, s1, c2, s2, HALF, BH)
         out = (t64 * groups + g) * (2 * HALF) + c
-        off = QPG * 2 * HALF
-        x1, x2 = _halves(row + off, m, hv, b_ptr, col + off, R, LORA, HALF, BH, BR, DOT_F32)
-        _norm_rope(x1, x2, k_ptr + out, wk_ptr, eps_k, m, c1, s1, c2, s2, HALF, BH)
-        off = (QPG + 1) * 2 * HALF
-        x1, x2 = _halves(row + off, m, hv, b_ptr, col + off, R, LORA, HALF, BH, BR, DOT_F32)
-        tl.store(v_ptr + out, x1.to(v_ptr.dtype.element_ty), mask=m)
-        tl.store(v_ptr + out + HALF, x2.to(v_ptr.dtype.element_ty), mask=m)
+        _norm_rope(row + QPG * 2 * HALF, k_ptr + out, wk_ptr, eps_k, m, c1, s1, c2, s2, HALF, BH)
+        v = row + (QPG + 1) * 2 * HALF
+        tl.store(v_ptr + out, tl.load(v, mask=m), mask=m)
+        tl.store(v_ptr + out + HALF, tl.load(v + HALF, mask=m), mask=m)
 
     @triton.jit
     def _qk_rope_bwd_kernel(
-        qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, h_ptr, b_ptr, T, B, s_tok,
-        s_grp, R, q_tok, q_head, k_tok, k_head, v_tok, v_head, eps_q, eps_k,
+        qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, T, B, s_tok, s_grp,
+        q_tok, q_head, k_tok, k_head, v_tok, v_head, eps_q, eps_k,
         QPG: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
-        LORA: tl.constexpr, BR: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
         """The forward's programs in reverse: the QKV output's gradient [T, groups, (QPG + 2) * 2 * HALF]
         from the query's, key's and value's (strided [T, heads, 2 * HALF] each)."""
         m, c1, s1, c2, s2, t64, c, row = _rows(qkv_ptr, freqs_ptr, T, B, s_tok, s_grp, HALF, BH, BT)
         g = tl.program_id(1)
         drow = dqkv_ptr + (t64 * tl.num_programs(1) + g) * ((QPG + 2) * 2 * HALF) + c
-        hv, col = _h_rows(h_ptr, t64, T, R, LORA, BR), g * (QPG + 2) * 2 * HALF
         for j in tl.static_range(QPG):
             src = dq_ptr + t64 * q_tok + (g * QPG + j) * q_head + c
             off = j * 2 * HALF
-            x1, x2 = _halves(row + off, m, hv, b_ptr, col + off, R, LORA, HALF, BH, BR, DOT_F32)
-            _norm_rope_back(src, x1, x2, drow + off, wq_ptr, eps_q, m, c1, s1, c2, s2, HALF, BH)
+            _norm_rope_back(src, row + off, drow + off, wq_ptr, eps_q, m, c1, s1, c2, s2, HALF, BH)
         off = QPG * 2 * HALF
         src = dk_ptr + t64 * k_tok + g * k_head + c
-        x1, x2 = _halves(row + off, m, hv, b_ptr, col + off, R, LORA, HALF, BH, BR, DOT_F32)
-        _norm_rope_back(src, x1, x2, drow + off, wk_ptr, eps_k, m, c1, s1, c2, s2, HALF, BH)
+        _norm_rope_back(src, row + off, drow + off, wk_ptr, eps_k, m, c1, s1, c2, s2, HALF, BH)
         dv = dv_ptr + t64 * v_tok + g * v_head + c
         off = (QPG + 1) * 2 * HALF
         tl.store(drow + off, tl.load(dv, mask=m), mask=m)
@@ -197,87 +148,44 @@ def fusable(x: torch.Tensor, head: int, *weights: torch.Tensor) -> bool:
     return frozen_on_gpu(x, *weights) and 2 <= head <= MAX_WIDTH and head % 2 == 0
 
 
-def lora_fits(mixed_qkv: torch.Tensor, head: int, h: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the kernels add an adapter's ``h @ Bᵀ`` themselves (:func:`qk_norm_rope`'s ``lora``): one
-    dtype throughout, B [QKV width, r] with r at most ``MAX_LORA_WIDTH``, and half a head of at least 9
-    columns (tl.dot's smallest tile is 16)."""
-    return (
-        mixed_qkv.dtype == h.dtype == b.dtype
-        and b.dim() == 2
-        and b.shape[0] == mixed_qkv.shape[-1]
-        and h.shape[-1] == b.shape[1] <= MAX_LORA_WIDTH
-        and _block(head) >= 16
-    )
-
-
 class QKNormRope(torch.autograd.Function):
     """``mixed_qkv`` [s, b, groups * (qpg + 2) * head] -> query [s, b, groups * qpg, head], key and value
     [s, b, groups, head]; query and key normed by their frozen weights and rotated by ``freqs`` [s, head]
-    (fp32 angles, megatron's rotary embedding). With an adapter's ``h`` [s, b, r] and B [width, r], the
-    QKV output is ``mixed_qkv + h @ Bᵀ`` (module docstring). Saves the QKV output (and h and B), nothing
-    else of size."""
+    (fp32 angles, megatron's rotary embedding). Saves the QKV output, nothing else of size."""
 
     @staticmethod
-    def forward(
-        ctx, mixed_qkv, wq, wk, freqs, groups: int, head: int, eps_q: float, eps_k: float, h=None, b=None
-    ):
-        s, bs, width = mixed_qkv.shape
+    def forward(ctx, mixed_qkv, wq, wk, freqs, groups: int, head: int, eps_q: float, eps_k: float):
+        s, b, width = mixed_qkv.shape
         qpg = width // (groups * head) - 2
         qkv = _heads_view(mixed_qkv.unflatten(-1, (groups, -1)))  # [T, groups, row]
-        q = mixed_qkv.new_empty(s, bs, groups * qpg, head)
-        k, v = mixed_qkv.new_empty(s, bs, groups, head), mixed_qkv.new_empty(s, bs, groups, head)
-        lora = h is not None
-        if lora:
-            h, b = h.reshape(s * bs, -1).contiguous(), b.contiguous()
-        _qk_rope_fwd_kernel[_grid(s * bs, groups, lora)](
-            qkv, wq, wk, freqs, q, k, v, *(h, b) if lora else (qkv, qkv), s * bs, bs, qkv.stride(0),
-            qkv.stride(1), b.shape[1] if lora else 0, eps_q, eps_k, **_meta(qpg, head, lora, b, qkv),
+        q = mixed_qkv.new_empty(s, b, groups * qpg, head)
+        k, v = mixed_qkv.new_empty(s, b, groups, head), mixed_qkv.new_empty(s, b, groups, head)
+        grid = (triton.cdiv(s * b, TOKENS_PER_PROGRAM), groups)
+        _qk_rope_fwd_kernel[grid](
+            qkv, wq, wk, freqs, q, k, v, s * b, b, qkv.stride(0), qkv.stride(1), eps_q, eps_k,
+            QPG=qpg, HALF=head // 2, BH=_block(head), BT=TOKENS_PER_PROGRAM, num_warps=WARPS,
         )  # fmt: skip
-        ctx.save_for_backward(qkv, wq, wk, freqs, *(h, b) if lora else ())
-        ctx.dims, ctx.eps, ctx.lora = (s, bs, groups, qpg, head), (eps_q, eps_k), lora
+        ctx.save_for_backward(qkv, wq, wk, freqs)
+        ctx.dims, ctx.eps = (s, b, groups, qpg, head), (eps_q, eps_k)
         return q, k, v
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        qkv, wq, wk, freqs, *hb = ctx.saved_tensors
-        s, bs, groups, qpg, head = ctx.dims
-        shapes = ((s, bs, groups * qpg, head), (s, bs, groups, head), (s, bs, groups, head))
+        qkv, wq, wk, freqs = ctx.saved_tensors
+        s, b, groups, qpg, head = ctx.dims
+        shapes = ((s, b, groups * qpg, head), (s, b, groups, head), (s, b, groups, head))
         dq, dk, dv = (  # an output that got no gradient (unused) contributes zeros
             qkv.new_zeros(shape) if d is None else _heads_view(d)
             for d, shape in zip((dq, dk, dv), shapes, strict=True)
         )
-        dqkv = qkv.new_empty(s, bs, groups * (qpg + 2) * head)
-        h, b = hb if ctx.lora else (qkv, qkv)
-        _qk_rope_bwd_kernel[_grid(s * bs, groups, ctx.lora)](
-            qkv, wq, wk, freqs, dq, dk, dv, dqkv, h, b, s * bs, bs, qkv.stride(0), qkv.stride(1),
-            b.shape[1] if ctx.lora else 0, dq.stride(-3), dq.stride(-2), dk.stride(-3), dk.stride(-2),
-            dv.stride(-3), dv.stride(-2), *ctx.eps, **_meta(qpg, head, ctx.lora, b, qkv),
+        dqkv = qkv.new_empty(s, b, groups * (qpg + 2) * head)
+        grid = (triton.cdiv(s * b, TOKENS_PER_PROGRAM), groups)
+        _qk_rope_bwd_kernel[grid](
+            qkv, wq, wk, freqs, dq, dk, dv, dqkv, s * b, b, qkv.stride(0), qkv.stride(1),
+            dq.stride(-3), dq.stride(-2), dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2),
+            *ctx.eps, QPG=qpg, HALF=head // 2, BH=_block(head), BT=TOKENS_PER_PROGRAM, num_warps=WARPS,
         )  # fmt: skip
-        dh = db = None
-        if ctx.lora:  # the in-place B GEMM's gradients (functions.AddLowRank)
-            g = dqkv.view(s * bs, -1)
-            dh = (g @ b).view(s, bs, -1) if ctx.needs_input_grad[8] else None
-            db = g.t() @ h if ctx.needs_input_grad[9] else None
-        return dqkv, None, None, None, None, None, None, None, dh, db
-
-
-def _grid(tokens: int, groups: int, lora: bool) -> tuple[int, int]:
-    return (triton.cdiv(tokens, LORA_TOKENS_PER_PROGRAM if lora else TOKENS_PER_PROGRAM), groups)
-
-
-def _meta(qpg: int, head: int, lora: bool, b: torch.Tensor, x: torch.Tensor) -> dict:
-    """The kernels' compile-time arguments; fp32 products in IEEE fp32 (as cuBLAS computes the B GEMM, not
-    tl.dot's TF32), and so are all of them under the interpreter (:func:`~.swiglu._dot`)."""
-    return dict(
-        QPG=qpg,
-        HALF=head // 2,
-        BH=_block(head),
-        BT=LORA_TOKENS_PER_PROGRAM if lora else TOKENS_PER_PROGRAM,
-        LORA=lora,
-        BR=max(16, triton.next_power_of_2(b.shape[1])) if lora else 16,
-        DOT_F32=not x.is_cuda or x.dtype == torch.float32,
-        num_warps=WARPS,
-    )
+        return dqkv, None, None, None, None, None, None, None
 
 
 def qk_norm_rope(
@@ -286,12 +194,10 @@ def qk_norm_rope(
     q_norm: torch.nn.Module,
     k_norm: torch.nn.Module,
     freqs: torch.Tensor,
-    lora: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Query, key and value for attention from ``linear_qkv``'s output (megatron's layout: per query
     group its query heads, then its key and value head), with the q/k norms (:class:`QKNorm`: ``weight``,
-    ``eps``) and RoPE by ``freqs`` [s, 1, 1, head] applied; see the module docstring. ``lora``: the
-    adapter's ``(h, B)`` (:func:`lora_fits`) whose ``h @ Bᵀ`` the output still lacks."""
+    ``eps``) and RoPE by ``freqs`` [s, 1, 1, head] applied; see the module docstring."""
     head = q_norm.weight.shape[0]
     if freqs.shape != (mixed_qkv.shape[0], 1, 1, head):
         raise ValueError(
@@ -299,6 +205,4 @@ def qk_norm_rope(
             f"{tuple(mixed_qkv.shape)} (expected [{mixed_qkv.shape[0]}, 1, 1, {head}])"
         )
     f = freqs.reshape(freqs.shape[0], head).float().contiguous()
-    return QKNormRope.apply(
-        mixed_qkv, q_norm.weight, k_norm.weight, f, groups, head, q_norm.eps, k_norm.eps, *(lora or ())
-    )
+    return QKNormRope.apply(mixed_qkv, q_norm.weight, k_norm.weight, f, groups, head, q_norm.eps, k_norm.eps)
