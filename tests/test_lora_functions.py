@@ -2,7 +2,8 @@
 
 The input-gradient handoff (``IntoBaseGrad`` + ``LowRankDown``) against plain autograd of the same
 expression: fp32 to rel 1e-6 (only where the input gradient's sum is rounded differs: measured 0 over
-20 seeds), bf16 to rel 2e-2 (the sum is rounded once instead of twice: measured <= 7.6e-3). Bank pieces:
+20 seeds), bf16 to rel 2e-2 (the sum is rounded once instead of twice: measured <= 7.6e-3; with the
+scaling as the A GEMM's alpha, fp32 0 and bf16 <= 7.6e-3 over the same 20 seeds). Bank pieces:
 one split per layer and forward, rebuilt where the parameter's storage moves (as megatron's DDP does).
 """
 
@@ -61,11 +62,17 @@ def _grads(forward, x, w, a, b, grad):
     return [y.detach(), xs.grad, a_.grad, b_.grad]
 
 
-def _linked(strided=False):
+def _linked(strided=False, alpha=False):
+    """The adapted linear as the layers build it; with ``alpha`` the scaling is the A GEMM's alpha (the
+    layers' path where the slots share one scaling), else a multiply of its own."""
+
     def forward(x, w, a, b):
         link = GradLink()
         xb = IntoBaseGrad.apply(x, link)
-        h = LowRankDown.apply(xb, a, link, None, None) * S
+        if alpha:
+            h = LowRankDown.apply(xb, a, link, None, None, S)
+        else:
+            h = LowRankDown.apply(xb, a, link, None, None) * S
         return AddLowRank.apply(_Base.apply(xb, w, strided), h, b)
 
     return forward
@@ -82,13 +89,15 @@ def _rel(got, want):
     )
 
 
+@pytest.mark.parametrize("alpha", [False, True], ids=["multiply", "alpha"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_adapter_input_gradient_joins_the_base_dgrad_in_place(dtype):
+def test_adapter_input_gradient_joins_the_base_dgrad_in_place(dtype, alpha):
     """The adapter's input gradient is added into the base's dgrad tensor itself (no second
-    full-size tensor, no sum), and output and all gradients equal plain autograd's."""
+    full-size tensor, no sum), and output and all gradients equal plain autograd's, with the scaling
+    as a multiply or as the A GEMM's alpha (carried on the link into the dgrad sum)."""
     tensors = _tensors(dtype)
     _Base.dgrads.clear()
-    got = _grads(_linked(), *tensors)
+    got = _grads(_linked(alpha=alpha), *tensors)
     want = _grads(_plain, *tensors)
     assert _rel(got, want) <= TOL[dtype]
     # the base's dgrad tensor itself (TE's reshape view of it reached IntoBaseGrad) now holds the sum
@@ -97,11 +106,12 @@ def test_adapter_input_gradient_joins_the_base_dgrad_in_place(dtype):
     assert _rel([F.linear(tensors[4], tensors[1].t())], [want[1]]) > 10 * TOL[dtype]
 
 
-def test_a_strided_view_gradient_is_summed_out_of_place():
+@pytest.mark.parametrize("alpha", [False, True], ids=["multiply", "alpha"])
+def test_a_strided_view_gradient_is_summed_out_of_place(alpha):
     """Where the base's input gradient is a strided view, the sum is out of place (and still right)."""
     tensors = _tensors(torch.float32, seed=1)
     _Base.dgrads.clear()
-    got = _grads(_linked(strided=True), *tensors)
+    got = _grads(_linked(strided=True, alpha=alpha), *tensors)
     assert _rel(got, _grads(_plain, *tensors)) <= TOL[torch.float32]
     # the base's own dgrad was left alone
     assert not torch.equal(_Base.dgrads[-1].view(got[1].shape), got[1])
@@ -124,6 +134,25 @@ def test_without_a_link_the_a_gemm_returns_its_own_input_gradient():
     )
     want = _grads(lambda x, w, a, b: F.linear(F.linear(x, a), b), x, None, a, b, grad)
     assert all(torch.equal(g, e) for g, e in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_scaling_as_alpha_is_the_scaled_a_gemm(dtype):
+    """``LowRankDown(..., scale)`` without a link: ``scale * x @ aᵀ`` and its gradients, against plain
+    autograd of the multiply (rounded once instead of twice: the module docstring's tolerances), with
+    no multiply kernel of its own: autograd records no MulBackward."""
+    x, _, a, b, grad = _tensors(dtype, seed=3)
+
+    def scaled(x, w, a, b):
+        h = LowRankDown.apply(x, a, None, None, None, S)
+        assert "Mul" not in type(h.grad_fn).__name__
+        return F.linear(h, b)
+
+    got = _grads(scaled, x, None, a, b, grad)
+    want = _grads(lambda x, w, a, b: F.linear(F.linear(x, a) * S, b), x, None, a, b, grad)
+    assert _rel(got, want) <= TOL[dtype]
+    unscaled = _grads(lambda x, w, a, b: F.linear(F.linear(x, a), b), x, None, a, b, grad)
+    assert _rel(got, unscaled) > 0.1  # the scaling is applied (the comparison above can fail)
 
 
 def _bank_model(tmp_path):

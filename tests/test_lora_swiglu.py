@@ -75,18 +75,21 @@ def _fc2_inputs(tensors: list[torch.Tensor], rank2: int, seed: int = 3) -> tuple
     return a2.to(pre.dtype), torch.randn(*dout.shape[:-1], rank2, generator=g).to(pre.dtype)
 
 
-def _run_fc2(fused: bool, tensors, a2: torch.Tensor, dh2: torch.Tensor) -> list[torch.Tensor]:
-    """``out`` and ``h2 = out @ a2.T`` (fc2's A GEMM, its link deferred to the op when ``fused``), and
-    the gradients of pre, h, b and a2 for the upstream gradients ``dout`` of out and ``dh2`` of h2."""
+def _run_fc2(
+    fused: bool, tensors, a2: torch.Tensor, dh2: torch.Tensor, s2: float = 1.0
+) -> list[torch.Tensor]:
+    """``out`` and ``h2 = s2 * out @ a2.T`` (fc2's A GEMM with its scaling, its link deferred to the op
+    when ``fused``), and the gradients of pre, h, b and a2 for the upstream gradients ``dout`` of out
+    and ``dh2`` of h2."""
     pre, h, b, dout = (t.detach().clone().requires_grad_(True) for t in tensors)
     a2 = a2.detach().clone().requires_grad_(True)
     if fused:
         link = GradLink(deferred=True)
         out = S.swiglu_lora(pre, h, b, a2, link)
-        h2 = LowRankDown.apply(out, a2, link, None, None)
+        h2 = LowRankDown.apply(out, a2, link, None, None, s2)
     else:
         out = _unfused(pre, h, b)
-        h2 = out @ a2.t()
+        h2 = (out @ a2.t()) * s2
     grads = torch.autograd.grad([out, h2], [pre, h, b, a2], [dout.detach(), dh2])
     return [out.detach(), *grads]
 
@@ -108,17 +111,22 @@ def test_reference_matches_unfused_autograd(lead, rank, grads, halves):
             assert _rel(g, w) <= tol, (dtype, name, _rel(g, w))
 
 
+@pytest.mark.parametrize("s2", [1.0, 2.0], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("halves", [False, True], ids=["fused-b", "halves"])
 @pytest.mark.parametrize("rank2", [4, 16])
-def test_deferred_fc2_gradients_match_unfused_autograd(rank2, halves):
+def test_deferred_fc2_gradients_match_unfused_autograd(rank2, halves, s2):
     """With fc2's A GEMM deferring to the op: fc2's input-gradient share and a2's gradient from the op's
-    backward equal plain autograd's (pre, h, b and a2), fp32 and bf16."""
+    backward equal plain autograd's (pre, h, b and a2), fp32 and bf16, with fc2's scaling ``s2`` as the
+    A GEMM's alpha (carried on the link)."""
     for dtype, tol in ((torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)):
         tensors = _inputs((6, 3), 40, 5, dtype, halves=halves)
         a2, dh2 = _fc2_inputs(tensors, rank2)
-        got, want = _run_fc2(True, tensors, a2, dh2), _run_fc2(False, tensors, a2, dh2)
+        got, want = _run_fc2(True, tensors, a2, dh2, s2), _run_fc2(False, tensors, a2, dh2, s2)
         for name, g, w in zip(("out", "pre", "h", "b", "a2"), got, want, strict=True):
             assert g.shape == w.shape and _rel(g, w) <= tol, (dtype, name, _rel(g, w))
+        if s2 != 1.0:  # the scaling reaches a2's and the input's gradients (the comparison can fail)
+            plain = _run_fc2(False, tensors, a2, dh2)
+            assert _rel(got[4], plain[4]) > 10 * tol and _rel(got[1], plain[1]) > tol
 
 
 @pytest.mark.parametrize("halves", [False, True], ids=["fused-b", "halves"])
@@ -175,7 +183,11 @@ def _kernel_errors(device: str, cases: tuple) -> dict[str, float]:
                 for path in ("triton", "reference"):
                     S._use_triton = (lambda *_: True) if path == "triton" else (lambda *_: False)
                     runs[path] = _run(S.swiglu_lora, tensors, (True, True, True)) + _run_fc2(
-                        True, tensors, a2, dh2
+                        True,
+                        tensors,
+                        a2,
+                        dh2,
+                        2.0,  # fc2's scaling through the kernel's S2
                     )
                     if path == "triton":
                         nograd = S.swiglu_lora_forward(*tensors[:3])

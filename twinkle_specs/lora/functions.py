@@ -8,7 +8,8 @@ adapted linear (on the Qwen3-8B shape at 4096 tokens the sums of (3) alone took 
 step on an H100, bench/results/2026-11-23-h100-s8). These functions avoid all three:
 
 * :class:`LowRankDown`, the A GEMM, keeps a recipe for its input where it is given one (see
-  :mod:`.recompute`) and, given a :class:`GradLink`, hands its input gradient to the base's;
+  :mod:`.recompute`) and, given a :class:`GradLink`, hands its input gradient to the base's; it applies
+  the adapter's scaling as the GEMMs' alpha, not as a multiply of its own each way;
 * :class:`IntoBaseGrad` sits on the base linear's input: identity forward; in backward it adds
   ``dh @ A`` into the base's input gradient with one beta = 1 GEMM;
 * :class:`AddLowRank`, the B GEMM, accumulates into the base output in place;
@@ -24,17 +25,19 @@ import torch.nn.functional as F
 
 
 class GradLink:
-    """Carries ``dh`` (the gradient of the A GEMM's output) and ``A`` from :class:`LowRankDown`'s
-    backward to :class:`IntoBaseGrad`'s, one per forward of an adapted linear. A ``deferred`` link
-    goes to the function that produced the linear's input instead (an MLP's SwiGLU,
-    :class:`~twinkle_specs.lora.swiglu.SwigluLora`), which adds ``dh @ A`` to the input gradient
-    inside its own kernel and computes ``A``'s gradient there too."""
+    """Carries ``dh`` (the gradient of the A GEMM's output), ``A`` and the A GEMM's ``scale`` from
+    :class:`LowRankDown`'s backward to :class:`IntoBaseGrad`'s, one per forward of an adapted linear:
+    the input gradient to add is ``scale * dh @ A``. A ``deferred`` link goes to the function that
+    produced the linear's input instead (an MLP's SwiGLU, :class:`~twinkle_specs.lora.swiglu.SwigluLora`),
+    which adds ``scale * dh @ A`` to the input gradient inside its own kernel and computes ``A``'s
+    gradient there too."""
 
-    __slots__ = ("dh", "a", "deferred")
+    __slots__ = ("dh", "a", "scale", "deferred")
 
     def __init__(self, deferred: bool = False) -> None:
         self.dh: torch.Tensor | None = None
         self.a: torch.Tensor | None = None
+        self.scale = 1.0
         self.deferred = deferred
 
 
@@ -61,15 +64,23 @@ class IntoBaseGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         link = ctx.link
-        dh, a = link.dh, link.a
+        dh, a, scale = link.dh, link.a, link.scale
         link.dh = link.a = None
         if dh is None:  # the adapter's A GEMM took no part in this backward
             return grad, None
         dh = dh.reshape(-1, dh.shape[-1])
         if _whole(grad) and grad.dtype == dh.dtype == a.dtype:
-            grad.view(-1, grad.shape[-1]).addmm_(dh, a)
+            grad.view(-1, grad.shape[-1]).addmm_(dh, a, alpha=scale)
             return grad, None
-        return grad + (dh @ a).view(grad.shape).to(grad.dtype), None
+        return grad + scaled_mm(dh, a, scale).view(grad.shape).to(grad.dtype), None
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * a @ b`` as one GEMM (the scale is cuBLAS's alpha; beta = 0 leaves the uninitialised
+    output unread, as torch documents for ``addmm``), rounded once."""
+    if scale == 1.0:
+        return a @ b
+    return torch.addmm(a.new_empty(a.shape[0], b.shape[1]), a, b, beta=0, alpha=scale)
 
 
 def _whole(t: torch.Tensor) -> bool:
@@ -83,13 +94,14 @@ def _whole(t: torch.Tensor) -> bool:
 
 
 class LowRankDown(torch.autograd.Function):
-    """``x @ aᵀ``, the adapter's A GEMM.
+    """``scale * x @ aᵀ``, the adapter's A GEMM with its scaling as the GEMM's alpha (a multiply of its
+    own would be a kernel each way per adapted linear, 64 a step on the Qwen3-8B shape's 8 layers).
 
     With a recipe (``source``, ``fn``: ``fn(source)`` reproduces ``x`` bit for bit) it keeps ``source``,
     which the base keeps anyway, instead of ``x`` and recomputes ``x`` in backward. With a ``link`` it
-    returns no input gradient and leaves ``dh`` and ``a`` on the link for :class:`IntoBaseGrad`; with
-    a deferred one it keeps nothing and returns no gradient at all (``a``'s comes from the link's
-    consumer).
+    returns no input gradient and leaves ``dh``, ``a`` and ``scale`` on the link for
+    :class:`IntoBaseGrad`; with a deferred one it keeps nothing and returns no gradient at all (``a``'s
+    comes from the link's consumer).
     """
 
     @staticmethod
@@ -100,30 +112,34 @@ class LowRankDown(torch.autograd.Function):
         link: GradLink | None,
         source: torch.Tensor | None,
         fn: Callable[[torch.Tensor], torch.Tensor] | None,
+        scale: float = 1.0,
     ) -> torch.Tensor:
-        ctx.link, ctx.fn = link, fn
+        ctx.link, ctx.fn, ctx.scale = link, fn, scale
         if link is not None and link.deferred:
             ctx.save_for_backward()
         else:
             ctx.save_for_backward(x if fn is None else source, a)
-        return F.linear(x, a)
+        if scale == 1.0:
+            return F.linear(x, a)
+        return scaled_mm(x.reshape(-1, x.shape[-1]), a.t(), scale).view(*x.shape[:-1], a.shape[0])
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):
-        if ctx.link is not None and ctx.link.deferred:
-            ctx.link.dh = dh
-            return None, None, None, None, None
+        link, scale = ctx.link, ctx.scale
+        if link is not None and link.deferred:
+            link.dh, link.scale = dh, scale
+            return None, None, None, None, None, None
         saved, a = ctx.saved_tensors
         dh2 = dh.reshape(-1, dh.shape[-1])
         dx = da = None
         if ctx.needs_input_grad[1]:
             x = saved if ctx.fn is None else ctx.fn(saved)
-            da = dh2.t() @ x.reshape(-1, x.shape[-1])
-        if ctx.link is not None:
-            ctx.link.dh, ctx.link.a = dh, a
+            da = scaled_mm(dh2.t(), x.reshape(-1, x.shape[-1]), scale)
+        if link is not None:
+            link.dh, link.a, link.scale = dh, a, scale
         elif ctx.needs_input_grad[0]:
-            dx = (dh2 @ a).view(*dh.shape[:-1], a.shape[-1])
-        return dx, da, None, None, None
+            dx = scaled_mm(dh2, a, scale).view(*dh.shape[:-1], a.shape[-1])
+        return dx, da, None, None, None, None
 
 
 class AddLowRank(torch.autograd.Function):

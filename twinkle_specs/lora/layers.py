@@ -30,8 +30,9 @@ does for layer norms. Routed-expert factors carry ``allreduce = False`` (expert-
 base weights) and need expert-tensor-parallel size 1.
 
 Forward cost (the adapter must stay cheap next to a host-launch-bound base layer): all slots of one
-linear share one A GEMM (with ``lora_A`` as it is), one ``scaling`` multiply of the rank-sum activation
-(never of the full-size output), one TP communication of it, and one B GEMM with a block-structured
+linear share one A GEMM (with ``lora_A`` as it is), the ``scaling`` of the rank-sum activation (never
+of the full-size output; in training the A GEMM's alpha where the slots share one scaling, else a small
+multiply), one TP communication of it, and one B GEMM with a block-structured
 B assembled in the fused output layout (QKV interleaved per query group, [gate; up], zero blocks for
 untargeted projections) by a single gather. :meth:`LoraLayerMixin.lora_delta_per_slot` keeps the
 per-slot computation as the reference. In training (:mod:`.functions`) the B GEMM accumulates into the
@@ -218,7 +219,11 @@ class LoraLayerMixin:
             h = F.linear(self.lora_dropout(x), self.lora_param("A"))
         else:
             source, fn = recipe if recipe is not None and recompute_allowed() else (None, None)
-            h = LowRankDown.apply(x, self.lora_param("A") if a is None else a, link, source, fn)
+            scale = self._lora_scaling()  # the A GEMM's alpha where the slots share one
+            a = self.lora_param("A") if a is None else a
+            h = LowRankDown.apply(x, a, link, source, fn, 1.0 if scale is None else scale)
+            if scale is not None:
+                return self._lora_comm(h)
         return self._lora_comm(self._lora_scale(h))
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,6 +260,11 @@ class LoraLayerMixin:
         rows = tuple((s, self.lora_out_sizes[s] // tp) for s in SITE_SLOTS[self.lora_site])
         ranks = tuple((s, self.lora_spec[s].r) for s in self.lora_slots)
         return (self.lora_site, rows, ranks, groups)
+
+    def _lora_scaling(self) -> float | None:
+        """The scaling all slots share, else None."""
+        scalings = {self.lora_spec[s].scaling for s in self.lora_slots}
+        return scalings.pop() if len(scalings) == 1 else None
 
     def _lora_scale(self, h: torch.Tensor) -> torch.Tensor:
         """``h`` (rank-sum columns in slot order) times each slot's scaling: one small multiply (none

@@ -11,10 +11,10 @@ SwiGLU's own time); here each tile gets its delta from the small ``h`` and ``b``
 Backward, one pass over the [T, 2F] pre-activation for what the unfused path does in five (on the
 same shape: SwiGLU's backward, fc1's B gradient, fc2's input recompute, fc2's A gradient and fc2's
 input-gradient sum): each program owns a block of F columns and walks the tokens, so it recomputes the
-pre-activation, adds fc2's adapter input gradient ``dh2 @ a2`` to ``dout`` tile by tile (fc2's
-:class:`~twinkle_specs.lora.functions.LowRankDown` defers it here through its link), writes
-SwiGLU's gradient, and accumulates ``b``'s gradient (``dy.T @ h``) and ``a2``'s (``dh2.T @ act``) in
-registers: no atomics, the same result every run.
+pre-activation, adds fc2's adapter input gradient ``s2 * dh2 @ a2`` to ``dout`` tile by tile (fc2's
+:class:`~twinkle_specs.lora.functions.LowRankDown` defers it here through its link, with its scaling
+``s2``), writes SwiGLU's gradient, and accumulates ``b``'s gradient (``dy.T @ h``) and ``a2``'s
+(``s2 * dh2.T @ act``) in registers: no atomics, the same result every run.
 
 Rounding follows the unfused path: the delta is accumulated in fp32, added in fp32 and the sum rounded
 once to the activation dtype (as cuBLAS's beta=1 epilogue does), likewise fc2's input gradient; SwiGLU
@@ -137,13 +137,13 @@ if triton is not None:
     @triton.jit
     def _bwd_kernel(
         pre_ptr, h_ptr, b_ptr, dout_ptr, dh2_ptr, a2_ptr, dy_ptr, db_ptr, da2_ptr,
-        T, F, R, R2, s_pre, s_h, s_b, s_dout, s_dh2, s_a2, s_dy, TCH: tl.constexpr,
+        T, F, R, R2, s_pre, s_h, s_b, s_dout, s_dh2, s_a2, s_dy, S2, TCH: tl.constexpr,
         BT: tl.constexpr, BF: tl.constexpr, BR: tl.constexpr, BR2: tl.constexpr,
         HALVES: tl.constexpr, HAS_FC2: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
         """Program (F block, token chunk): SwiGLU's gradient ``dy`` over the chunk, and the chunk's
-        partial sums of ``dy.T @ h`` (into ``db`` [chunks, 2F, BR]) and ``dh2.T @ act`` (into ``da2``
-        [chunks, BR2, F]), all in registers until the end. The chunk length ``TCH`` is a compile-time
+        partial sums of ``dy.T @ h`` (into ``db`` [chunks, 2F, BR]) and ``S2 * dh2.T @ act`` (into
+        ``da2`` [chunks, BR2, F]), all in registers until the end. The chunk length ``TCH`` is a compile-time
         constant (one compilation per token count, which is fixed in training): the Triton 3.6
         interpreter runs no loop with a bound given at run time."""
         f = tl.program_id(0) * BF + tl.arange(0, BF)
@@ -175,7 +175,7 @@ if triton is not None:
             if HAS_FC2:
                 d2m = tm[:, None] & (r2 < R2)[None, :]
                 d2 = tl.load(dh2_ptr + rows * s_dh2 + r2[None, :], mask=d2m, other=0.0)  # [BT, BR2]
-                g = (g + _dot(d2, a2, DOT_F32)).to(dtype).to(tl.float32)  # fc2's input gradient, summed
+                g = (g + S2 * _dot(d2, a2, DOT_F32)).to(dtype).to(tl.float32)  # fc2's input gradient, summed
                 act = (y1 * s * y2).to(dtype)  # fc2's input, as the forward made it
                 acc_a2 += _dot(tl.trans(d2), act, DOT_F32)
             dyg = (g * s * (1 + y1 * (1 - s)) * y2).to(dtype)
@@ -191,7 +191,9 @@ if triton is not None:
         tl.store(part + (f + F)[:, None] * BR + r[None, :], acc_bu, mask=dbm)
         if HAS_FC2:
             part2 = da2_ptr + chunk.to(tl.int64) * BR2 * F
-            tl.store(part2 + r2[:, None] * F + f[None, :], acc_a2, mask=(r2 < BR2)[:, None] & fm[None, :])
+            tl.store(
+                part2 + r2[:, None] * F + f[None, :], acc_a2 * S2, mask=(r2 < BR2)[:, None] & fm[None, :]
+            )
 
 
 def _use_triton(*tensors: torch.Tensor | None) -> bool:
@@ -225,10 +227,10 @@ def _triton_forward(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torc
     return out.view(*pre.shape[:-1], -1)
 
 
-def _triton_backward(dout, pre, h, b, dh2, a2) -> tuple:
+def _triton_backward(dout, pre, h, b, dh2, a2, s2: float = 1.0) -> tuple:
     """``(dy [T, 2F], b's gradient, a2's gradient or None)``: SwiGLU's gradient for fc1's output
-    (fc2's deferred input gradient ``dh2 @ a2`` included) and the two factor gradients, in one kernel
-    plus a sum over the token chunks' partial factor gradients."""
+    (fc2's deferred input gradient ``s2 * dh2 @ a2`` included) and the two factor gradients, in one
+    kernel plus a sum over the token chunks' partial factor gradients."""
     pre2, h2, g2 = _flat(pre), _flat(h), _flat(dout.contiguous())
     (T, f2), R = pre2.shape, b.shape[1]
     ffn = f2 // 2
@@ -249,7 +251,7 @@ def _triton_backward(dout, pre, h, b, dh2, a2) -> tuple:
     _bwd_kernel[(blocks, chunks)](
         pre2, h2, b, g2, d2, a, dy, db, da2, T, ffn, R, a.shape[0] if fc2 else 0,
         pre2.stride(0), h2.stride(0), b.stride(0), g2.stride(0), d2.stride(0), a.stride(0), dy.stride(0),
-        TCH=tch, BT=bt, BF=bf, BR=br, BR2=br2, HALVES=_halves(h, b), HAS_FC2=fc2, DOT_F32=not pre.is_cuda,
+        float(s2), TCH=tch, BT=bt, BF=bf, BR=br, BR2=br2, HALVES=_halves(h, b), HAS_FC2=fc2, DOT_F32=not pre.is_cuda,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     d_b = db.sum(0)[:, :R].to(b.dtype)
@@ -257,14 +259,15 @@ def _triton_backward(dout, pre, h, b, dh2, a2) -> tuple:
     return dy, d_b, d_a2
 
 
-def _reference_backward(dout, pre, h, b, dh2, a2) -> tuple:
+def _reference_backward(dout, pre, h, b, dh2, a2, s2: float = 1.0) -> tuple:
     """The same as :func:`_triton_backward` with torch ops (materialising the sums)."""
     y = _preact_ref(pre, h, b)
     g = _flat(dout)
     d_a2 = None
     if dh2 is not None:
-        g = torch.addmm(g.float(), _flat(dh2).float(), a2.float()).to(g.dtype)
-        d_a2 = (_flat(dh2).t() @ _swiglu_ref(y)).to(a2.dtype)
+        g = torch.addmm(g.float(), _flat(dh2).float(), a2.float(), alpha=s2).to(g.dtype)
+        d2, act = _flat(dh2).t(), _swiglu_ref(y)
+        d_a2 = torch.addmm(a2.new_empty(a2.shape), d2, act, beta=0, alpha=s2) if s2 != 1.0 else d2 @ act
     dy = _swiglu_back_ref(g, y)
     d_b = dy.t() @ _flat(h)
     if _halves(h, b):  # the gradient of the blocks of _block_b that are b's
@@ -310,8 +313,8 @@ def swiglu_lora_forward(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> 
 
 class SwigluLora(torch.autograd.Function):
     """``swiglu(pre + h @ b.T)``; saves the inputs (not the [T, 2F] sum) and recomputes the sum. With
-    ``a2`` and a deferred ``link`` from fc2's A GEMM, its backward also adds fc2's adapter input
-    gradient ``dh2 @ a2`` and returns ``a2``'s gradient ``dh2.T @ out``."""
+    ``a2`` and a deferred ``link`` from fc2's A GEMM (scaling ``s2``), its backward also adds fc2's
+    adapter input gradient ``s2 * dh2 @ a2`` and returns ``a2``'s gradient ``s2 * dh2.T @ out``."""
 
     @staticmethod
     def forward(ctx, pre, h, b, a2, link):
@@ -322,11 +325,11 @@ class SwigluLora(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         pre, h, b, a2 = ctx.saved_tensors
-        link, dh2 = ctx.link, None
+        link, dh2, s2 = ctx.link, None, 1.0
         if link is not None:
-            dh2, link.dh, link.a = link.dh, None, None
+            dh2, s2, link.dh, link.a = link.dh, link.scale, None, None
         backward = _triton_backward if _use_triton(pre, h, b, dh2, a2) else _reference_backward
-        dy, d_b, d_a2 = backward(dout, pre, h, b, dh2, a2 if dh2 is not None else None)
+        dy, d_b, d_a2 = backward(dout, pre, h, b, dh2, a2 if dh2 is not None else None, s2)
         need = ctx.needs_input_grad
         return (
             dy.view(pre.shape) if need[0] else None,
