@@ -254,9 +254,8 @@ def _triton_backward(dout, pre, h, b, dh2, a2, s2: float = 1.0) -> tuple:
         float(s2), TCH=tch, BT=bt, BF=bf, BR=br, BR2=br2, HALVES=_halves(h, b), HAS_FC2=fc2, DOT_F32=not pre.is_cuda,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    # the chunks' partial sums, summed in fp32 and rounded into the factor's dtype by one kernel each
-    d_b = torch.sum(db[:, :, :R], 0, out=b.new_empty(f2, R))
-    d_a2 = torch.sum(da2[:, : a2.shape[0]], 0, out=a2.new_empty(a2.shape)) if fc2 else None
+    d_b = db.sum(0)[:, :R].to(b.dtype)
+    d_a2 = da2.sum(0)[: a2.shape[0]].to(a2.dtype) if fc2 else None
     return dy, d_b, d_a2
 
 
