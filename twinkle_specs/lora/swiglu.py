@@ -160,6 +160,9 @@ if triton is not None:
             a2 = tl.load(
                 a2_ptr + r2[:, None] * s_a2 + f[None, :], mask=(r2 < R2)[:, None] & fm[None, :], other=0.0
             )
+            # fc2's scaling on a2, once: a multiply inside the loop costs the dot its fused accumulate
+            # (402 against 276 us per call at the Qwen3-8B shape, H200)
+            a2s = (a2.to(tl.float32) * S2).to(a2.dtype)
             acc_a2 = tl.zeros([BR2, BF], dtype=tl.float32)
         dtype = dy_ptr.dtype.element_ty
         start = chunk * TCH
@@ -175,7 +178,7 @@ if triton is not None:
             if HAS_FC2:
                 d2m = tm[:, None] & (r2 < R2)[None, :]
                 d2 = tl.load(dh2_ptr + rows * s_dh2 + r2[None, :], mask=d2m, other=0.0)  # [BT, BR2]
-                g = (g + S2 * _dot(d2, a2, DOT_F32)).to(dtype).to(tl.float32)  # fc2's input gradient, summed
+                g = (g + _dot(d2, a2s, DOT_F32)).to(dtype).to(tl.float32)  # fc2's input gradient, summed
                 act = (y1 * s * y2).to(dtype)  # fc2's input, as the forward made it
                 acc_a2 += _dot(tl.trans(d2), act, DOT_F32)
             dyg = (g * s * (1 + y1 * (1 - s)) * y2).to(dtype)
