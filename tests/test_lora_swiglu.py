@@ -8,7 +8,8 @@ Tolerances, max |Δ| relative to the largest value compared (output and every gr
 - bf16 vs unfused bf16 autograd: 3e-2, about 8 bf16 ulps. The unfused path rounds ``h @ b.T``, the sum,
   ``silu`` and the product to bf16 one by one, the op rounds once per stage (measured <= 1.25e-2).
 - Triton (interpreted) vs reference: fp16 2e-3 (products summed in another order, and Triton's sigmoid,
-  can move a value across a rounding boundary: measured <= 1.3e-4); bf16 4e-2: the Triton 3.6
+  can move a value across a rounding boundary; fc2's scaling, here 0.7, rounded onto a2 in the kernel:
+  measured <= 8.0e-4); bf16 4e-2: the Triton 3.6
   interpreter truncates fp32 -> bf16 casts where the GPU rounds to nearest, so every rounding may be
   one bf16 ulp off (measured <= 1.8e-2). An indexing, masking or formula error shows as O(1).
 The no-grad entry is compared bit for bit with the autograd forward.
@@ -168,9 +169,10 @@ def test_imports_and_runs_without_triton(monkeypatch):
     assert torch.equal(fresh.swiglu_lora(pre, h, b), S.swiglu_lora_forward(pre, h, b))
 
 
-def _kernel_errors(device: str, cases: tuple) -> dict[str, float]:
+def _kernel_errors(device: str, cases: tuple, s2: float) -> dict[str, float]:
     """The op with its Triton path forced vs the reference path on ``device`` tensors, output and every
-    gradient, with and without fc2's deferred A GEMM; no-grad bit-equality; kernel launches."""
+    gradient, with and without fc2's deferred A GEMM (at scaling ``s2``, which the kernel puts on a2,
+    rounded: exact for a power of two); no-grad bit-equality; kernel launches."""
     fwd, bwd = CountingKernel(S._fwd_kernel), CountingKernel(S._bwd_kernel)
     S._fwd_kernel, S._bwd_kernel, use_triton = fwd, bwd, S._use_triton
     errors: dict[str, float] = {}
@@ -187,7 +189,7 @@ def _kernel_errors(device: str, cases: tuple) -> dict[str, float]:
                         tensors,
                         a2,
                         dh2,
-                        2.0,  # fc2's scaling through the kernel's S2
+                        s2,
                     )
                     if path == "triton":
                         nograd = S.swiglu_lora_forward(*tensors[:3])
@@ -229,7 +231,7 @@ def test_triton_kernels_on_cuda_match_the_reference():
     the products are summed in another order, which can move a value across a rounding boundary); the
     no-grad entry is the autograd forward bit for bit."""
     cases = (((300,), 12288, 32, 16, False), ((300,), 12288, 16, 16, True), ((7, 3), 200, 5, 4, True))
-    errors = _kernel_errors("cuda", cases)
+    errors = _kernel_errors("cuda", cases, 2.0)
     errors.pop("launches")
     for key, err in errors.items():
         tol = 0.0 if key.startswith("nograd") else {"float16": 2e-3, "bfloat16": 1.6e-2}[key.split("/")[0]]
@@ -237,4 +239,4 @@ def test_triton_kernels_on_cuda_match_the_reference():
 
 
 if __name__ == "__main__":
-    print(json.dumps(_kernel_errors("cpu", INTERPRETED)))
+    print(json.dumps(_kernel_errors("cpu", INTERPRETED, 0.7)))

@@ -17,7 +17,8 @@ pre-activation, adds fc2's adapter input gradient ``s2 * dh2 @ a2`` to ``dout`` 
 (``s2 * dh2.T @ act``) in registers: no atomics, the same result every run.
 
 Rounding follows the unfused path: the delta is accumulated in fp32, added in fp32 and the sum rounded
-once to the activation dtype (as cuBLAS's beta=1 epilogue does), likewise fc2's input gradient; SwiGLU
+once to the activation dtype (as cuBLAS's beta=1 epilogue does), likewise fc2's input gradient (whose
+scaling multiplies ``a2`` once per program, rounded to its dtype: exact for a power of two); SwiGLU
 and its gradient (megatron-core's ``swiglu_back``) are computed in fp32 from the rounded values and
 rounded once. Backward saves ``pre``, ``h``, ``b`` (and ``a2``), not the sum, and recomputes it.
 """
