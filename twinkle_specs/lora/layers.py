@@ -269,10 +269,11 @@ class LoraLayerMixin:
     def _lora_scale(self, h: torch.Tensor) -> torch.Tensor:
         """``h`` (rank-sum columns in slot order) times each slot's scaling: one small multiply (none
         for scaling 1), a Python scalar so that bf16 activations are scaled in fp32 as before."""
-        scalings = [self.lora_spec[s].scaling for s in self.lora_slots]
-        if len(set(scalings)) == 1:
-            return h if scalings[0] == 1.0 else h * scalings[0]
+        shared = self._lora_scaling()
+        if shared is not None:
+            return h if shared == 1.0 else h * shared
         ranks = [self.lora_spec[s].r for s in self.lora_slots]
+        scalings = [self.lora_spec[s].scaling for s in self.lora_slots]
         return torch.cat([hs * c for hs, c in zip(h.split(ranks, dim=-1), scalings, strict=True)], dim=-1)
 
     def lora_delta_per_slot(self, x: torch.Tensor) -> torch.Tensor:
