@@ -652,6 +652,10 @@ def _prepare_megatron(variant: str, hf_dir: Path, s: Settings) -> tuple[dict[str
             model.embedding.register_forward_hook(_require_grad_hook)
     config = model.config
     result["impl"] = config.transformer_impl
+    import twinkle_specs
+
+    # in this process, so for (a) too: upstream fixes that every variant shares (patches/README.md)
+    result["twinkle_patches"] = [p.rpartition(".")[2] for p in twinkle_specs.patches.apply_all()]
     result["total_params"], result["trainable_params"] = _count(model)
     result["config"] = {
         k: getattr(config, k, None)

@@ -247,6 +247,7 @@ def environment(in_process: bool, out: Path) -> dict:
             "NCCL_NVLS_ENABLE",
             "PYTORCH_CUDA_ALLOC_CONF",
             "OMP_NUM_THREADS",
+            "TWINKLE_PATCHES_OFF",
         )
         if os.environ.get(k) is not None
     }

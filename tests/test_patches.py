@@ -1,16 +1,25 @@
-"""Each patch in patches/ is needed (upstream fails without it on a CPU host) and works."""
+"""Each CPU-host patch in patches/ is needed (upstream fails without it on a CPU host) and works; the
+GPU patches' logic runs here on the host (their no-sync evidence is tests/test_patches_gpu.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from twinkle_specs.patches import PATCHES, apply_all, rope_on_host, router_on_host
+from twinkle_specs.patches import (
+    PATCHES,
+    apply_all,
+    cuda_device_on_host,
+    rope_on_host,
+    router_on_host,
+    tied_embedding_on_host,
+)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches fix CPU-only hosts")
+ON_HOST = [rope_on_host, router_on_host, tied_embedding_on_host, cuda_device_on_host]
 
 
-def test_all_patches_apply_on_cpu_hosts():
-    assert apply_all() == sorted(p.__name__ for p in PATCHES)
+def test_all_host_patches_apply_on_cpu_hosts():
+    assert apply_all() == sorted(p.__name__ for p in ON_HOST)
 
 
 def test_rope_needs_and_gets_the_patch():
@@ -57,7 +66,6 @@ def test_tied_embedding_patch_runs_upstream_on_host_and_restores_tensor_cuda():
     """Upstream calls ``.cuda()``; patched, that is the identity during the call only. The real
     pipeline-parallel tied-embedding case runs in test_parity (qwen2, PP=2)."""
     from megatron.core.models.common.language_module.language_module import LanguageModule
-    from twinkle_specs.patches import tied_embedding_on_host
 
     class Fake:
         seen = None
@@ -82,7 +90,6 @@ def test_collectives_allocate_on_host_only_inside_megatron_mappings():
     """The EP=2 / MoE TP=2 layouts in test_parity run through these gathers on gloo."""
     from megatron.core import utils
     from megatron.core.tensor_parallel import mappings
-    from twinkle_specs.patches import cuda_device_on_host
 
     with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
         torch.cuda.current_device()  # what upstream's allocations call
@@ -90,3 +97,109 @@ def test_collectives_allocate_on_host_only_inside_megatron_mappings():
     assert mappings.torch.empty(2, device=mappings.torch.cuda.current_device()).device.type == "cpu"
     assert mappings.torch.distributed is torch.distributed and torch.cuda.current_device is not None
     assert isinstance(mappings.torch, cuda_device_on_host._TorchOnHost)
+
+
+def test_gpu_patches_stay_off_on_cpu_hosts():
+    from twinkle_specs.patches import cross_entropy_without_sync, grad_norm_on_device
+
+    assert not grad_norm_on_device.is_needed() and not cross_entropy_without_sync.is_needed()
+
+
+def test_patches_off_env_skips_named_patches_and_rejects_unknown_names(monkeypatch):
+    import twinkle_specs.patches as patches
+
+    calls = []
+    monkeypatch.setattr(patches, "_applied", set())
+    for patch in PATCHES:
+        monkeypatch.setattr(patch, "apply", lambda p=patch: calls.append(patches.short_name(p)))
+    monkeypatch.setenv(patches.OFF_ENV, " rope_on_host, router_on_host")
+    applied = apply_all()
+    assert calls == ["tied_embedding_on_host", "cuda_device_on_host"], calls
+    assert applied == sorted(f"twinkle_specs.patches.{n}" for n in calls)
+    monkeypatch.setenv(patches.OFF_ENV, "rope_on_host,grad_norm")
+    with pytest.raises(ValueError, match=r"TWINKLE_PATCHES_OFF.*\['grad_norm'\].*grad_norm_on_device"):
+        apply_all()
+
+
+def _grads(seed: int, scale: float) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) * scale for shape in [(64, 32), (7,), (3, 5, 11)]]
+
+
+def _with_grads(grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    return params
+
+
+@pytest.mark.parametrize("scale", [10.0, 1e-3], ids=["clips", "within_max_norm"])
+def test_device_grad_norm_clips_as_torch_without_leaving_the_device(megatron_single, scale):
+    """The device path (on the host here, through gloo) against torch's clip_grad_norm_, which uses the
+    same coefficient min(1, max_norm / (norm + 1e-6)): the norm stays a tensor (no ``.item()``), the
+    clipped gradients match to 1e-6 relative, and unclipped ones are untouched bit for bit."""
+    from twinkle_specs.patches import grad_norm_on_device as gn
+
+    grads = _grads(0, scale)
+    ours, ref = _with_grads(grads), _with_grads(grads)
+    norm = gn.get_grad_norm_fp32([p.grad for p in ours])
+    assert isinstance(norm, torch.Tensor) and norm.shape == (1,)
+    gn.clip_grad_by_total_norm_fp32(ours, 1.0, norm)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    assert torch.allclose(norm[0], ref_norm, rtol=1e-6, atol=0)
+    for p, r, g in zip(ours, ref, grads, strict=True):
+        assert torch.allclose(p.grad, r.grad, rtol=1e-6, atol=1e-12)
+        if scale < 1:
+            assert torch.equal(p.grad, g)
+        else:
+            assert p.grad.norm() < g.norm()
+
+
+def test_device_grad_norm_hands_large_sets_and_other_norms_to_upstream(megatron_single, monkeypatch):
+    from megatron.core.optimizer import clip_grads
+    from twinkle_specs.patches import grad_norm_on_device as gn
+
+    seen = []
+    monkeypatch.setattr(clip_grads, "get_grad_norm_fp32", lambda g, n, grp: seen.append(("norm", n)) or 2.0)
+    monkeypatch.setattr(
+        clip_grads, "clip_grad_by_total_norm_fp32", lambda p, m, t, d: seen.append(("clip", t))
+    )
+    grads = _grads(1, 1.0)
+    assert gn.get_grad_norm_fp32(grads, norm_type=float("inf")) == 2.0
+    monkeypatch.setattr(gn, "DEVICE_CLIP_MAX_NUMEL", sum(g.numel() for g in grads) - 1)
+    assert gn.get_grad_norm_fp32(grads) == 2.0
+    gn.clip_grad_by_total_norm_fp32(_with_grads(grads), 1.0, 2.0)
+    assert seen == [("norm", float("inf")), ("norm", 2), ("clip", 2.0)]
+    # a rank with no gradient still joins the reduction, with a zero
+    assert torch.equal(gn.get_grad_norm_fp32([]), torch.zeros(1))
+
+
+def test_grad_norm_patch_replaces_the_names_megatron_optimizers_call(monkeypatch):
+    from megatron.core.optimizer import clip_grads, optimizer
+    from twinkle_specs.patches import grad_norm_on_device as gn
+
+    monkeypatch.setattr(optimizer, "get_grad_norm_fp32", optimizer.get_grad_norm_fp32)
+    monkeypatch.setattr(optimizer, "clip_grad_by_total_norm_fp32", optimizer.clip_grad_by_total_norm_fp32)
+    assert optimizer.get_grad_norm_fp32 is clip_grads.get_grad_norm_fp32  # upstream, on this host
+    gn.apply()
+    assert optimizer.get_grad_norm_fp32 is gn.get_grad_norm_fp32
+    assert optimizer.clip_grad_by_total_norm_fp32 is gn.clip_grad_by_total_norm_fp32
+
+
+def test_cross_entropy_patch_always_asks_te_for_its_capturable_backward(monkeypatch):
+    from megatron.core.models.common.language_module import language_module
+    from twinkle_specs.patches import cross_entropy_without_sync as ce
+
+    seen = []
+
+    def upstream(logits, labels, tp_group, is_cg_capturable=False):
+        seen.append(is_cg_capturable)
+        return "loss"
+
+    monkeypatch.setattr(language_module, "te_parallel_cross_entropy", upstream)
+    ce.apply()
+    ce.apply()  # idempotent: wraps once
+    patched = language_module.te_parallel_cross_entropy
+    assert patched.__wrapped__ is upstream
+    assert patched("logits", "labels", None, False) == "loss" and patched("l", "t", None) == "loss"
+    assert seen == [True, True]

@@ -1,0 +1,98 @@
+"""Clip an adapter's gradients without a host sync: the gradient norm stays on the GPU.
+
+Upstream cause: megatron-core 0.16.x ``get_grad_norm_fp32`` ends in ``total_norm.item()``, and 0.19.x does
+too unless Transformer Engine has ``multi_tensor_scale_tensor`` (newer than TE 2.11, the newest that
+megatron-core 0.16.1 accepts). Every optimizer step therefore waits for the whole backward on the host,
+then issues clipping, Adam and the parameter copies while the GPU sits idle, then the next forward's first
+kernels. In a LoRA step the optimizer's kernels take 0.12 ms and that wait 1.3-1.6 ms of a 71 ms step
+(Qwen3-8B shape on an H200, bench/results/2026-11-23-h200-s16).
+
+The fix is 0.19's own device path, backported: the norm is a CUDA tensor and the gradients are multiplied
+by ``min(1, max_norm / (norm + 1e-6))`` on the GPU. That multiply reads and writes every gradient even when
+nothing needs clipping (the host path skips it), so it is taken only when the gradients being clipped hold
+at most :data:`DEVICE_CLIP_MAX_NUMEL` elements, an adapter's optimizer: 2**27 fp32 gradients are a
+0.3 ms pass on an H100, below the wait it removes. A full fine-tune's billions of gradients keep upstream's
+host path. Only the 2-norm, the one megatron's optimizers use, has the device path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from packaging.version import Version
+
+NEEDED_FOR = ">=0.16, <0.20 (megatron-core) on CUDA, without TE's multi_tensor_scale_tensor"
+
+DEVICE_CLIP_MAX_NUMEL = 2**27
+
+
+def is_needed() -> bool:
+    import megatron.core
+    from megatron.core.optimizer import clip_grads
+
+    version = Version(megatron.core.__version__)
+    upstream_on_device = getattr(clip_grads, "multi_tensor_scale_tensor_impl", None) is not None
+    return (
+        torch.cuda.is_available() and Version("0.16") <= version < Version("0.20") and not upstream_on_device
+    )
+
+
+def _local_grads(grads: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
+    """The local shards of (possibly DTensor) gradients, and the data-parallel group of the DTensors."""
+    from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
+
+    grads = list(grads)
+    dp_group = None
+    for grad in grads:
+        dp_group = get_data_parallel_group_if_dtensor(grad, dp_group)
+    return [to_local_if_dtensor(g) for g in grads], dp_group
+
+
+def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+    """Upstream's ``get_grad_norm_fp32``, returning the 2-norm of a small gradient set as a one-element
+    tensor on the gradients' device (upstream's reductions, in the same order; no ``.item()``)."""
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    grads_for_norm = list(grads_for_norm)
+    if float(norm_type) != 2.0 or sum(g.numel() for g in grads_for_norm) > DEVICE_CLIP_MAX_NUMEL:
+        from megatron.core.optimizer import clip_grads
+
+        return clip_grads.get_grad_norm_fp32(grads_for_norm, norm_type, grad_stats_parallel_group)
+    grads, dp_group = _local_grads(grads_for_norm)
+    if grads:
+        total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum().reshape(1)
+    else:  # this rank holds no gradient but still takes part in the reductions
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        total = torch.zeros(1, dtype=torch.float, device=device)
+    if dp_group:
+        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=dp_group)
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group)
+    return total.sqrt()
+
+
+def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Upstream's ``clip_grad_by_total_norm_fp32``; a tensor ``total_norm`` (from
+    :func:`get_grad_norm_fp32`) scales the gradients by ``min(1, max_norm / (norm + 1e-6))`` on its device."""
+    if not isinstance(total_norm, torch.Tensor):
+        from megatron.core.optimizer import clip_grads
+
+        return clip_grads.clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad)
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads, _ = _local_grads(
+        getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None
+    )
+    if grads:
+        coeff = (max_norm / (total_norm + 1.0e-6)).clamp_max(1.0)
+        torch._foreach_mul_(grads, coeff.reshape(()))
+
+
+def apply() -> None:
+    """Megatron's optimizers (``megatron/core/optimizer/optimizer.py``) call both by the names they
+    imported; ``clip_grads`` keeps upstream's, which the large-set path calls."""
+    from megatron.core.optimizer import optimizer
+
+    optimizer.get_grad_norm_fp32 = get_grad_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32

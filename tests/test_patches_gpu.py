@@ -1,0 +1,166 @@
+"""The GPU patches on a GPU (patches/grad_norm_on_device.py, patches/cross_entropy_without_sync.py).
+
+A LoRA training step (forward with TE's fused cross entropy, backward, megatron DDP and its distributed
+optimizer with clipping) runs under torch's sync debug mode, which reports every host sync with the
+Python line that made it. Upstream makes two per step, at the gradient norm's ``.item()`` and at TE's
+``torch.tensor(1.0, device=...)``; patched it makes none. Both runs train the same model on the same data:
+their gradient norms agree to 1e-5 relative, their losses to 1e-3 and their adapters to 2 bf16 steps.
+Measured values go to $TWINKLE_EVIDENCE_DIR/patches-gpu.json.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from gpu_checks import Evidence
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine"),
+]
+
+EVIDENCE = Evidence("patches-gpu.json")
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    import transformer_engine  # noqa: F401
+    from megatron.core import parallel_state as ps
+
+    from twinkle_specs.parity import _init_single_process
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    _init_single_process()
+    yield
+    ps.destroy_model_parallel()
+
+
+def _upstream(monkeypatch) -> None:
+    """Megatron's own functions back in the places the patches replace."""
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.models.common.language_module import language_module
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    monkeypatch.setattr(optimizer, "get_grad_norm_fp32", clip_grads.get_grad_norm_fp32)
+    monkeypatch.setattr(optimizer, "clip_grad_by_total_norm_fp32", clip_grads.clip_grad_by_total_norm_fp32)
+    monkeypatch.setattr(language_module, "te_parallel_cross_entropy", te_ext.te_parallel_cross_entropy)
+
+
+def _lora_training(hf, clip_grad: float):
+    """A bf16 LoRA model under megatron DDP and the distributed optimizer (as bench/harness.py runs it);
+    returns ``step() -> (loss, grad_norm)`` and the model."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from test_lora_support import tokens
+
+    import twinkle_specs as ts
+    from twinkle_specs import LoraConfig
+
+    torch.manual_seed(0)
+    torch.cuda.manual_seed(0)
+    bf16 = torch.bfloat16
+    model = ts.build_model(
+        hf,
+        lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+        params_dtype=bf16,
+        bf16=True,
+        cross_entropy_loss_fusion=True,
+        cross_entropy_fusion_impl="te",
+    )
+    ddp = DistributedDataParallel(
+        config=model.config,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+        module=model,
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-2,
+            bf16=True,
+            params_dtype=bf16,
+            use_distributed_optimizer=True,
+            clip_grad=clip_grad,
+        ),
+        [ddp],
+    )
+    data = tokens(s=65).cuda()
+    toks, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    pos = torch.arange(toks.shape[1], device="cuda").expand_as(toks)
+
+    def step():
+        loss = ddp(toks, pos, None, labels=labels).float().mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        _, grad_norm, _ = opt.step()
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        return loss.detach(), grad_norm
+
+    return step, model
+
+
+def _syncs(fn) -> list[str]:
+    """``file:line`` of every host sync ``fn`` makes (torch's sync debug mode, warning on each)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
+
+
+@pytest.mark.parametrize("clip_grad", [1e-3, 1e9], ids=["clipping", "not_clipping"])
+def test_lora_step_makes_no_host_sync_and_trains_as_upstream(lora_checkpoints, gpu, monkeypatch, clip_grad):
+    from megatron.core.models.common.language_module import language_module
+    from megatron.core.optimizer import optimizer
+    from twinkle_specs.patches import grad_norm_on_device
+
+    assert optimizer.get_grad_norm_fp32 is grad_norm_on_device.get_grad_norm_fp32, "patch not in force"
+    assert getattr(language_module.te_parallel_cross_entropy, "without_sync", False), "patch not in force"
+    hf = lora_checkpoints("qwen3")
+    runs = {}
+    for name in ("patched", "upstream"):
+        with monkeypatch.context() as m:
+            if name == "upstream":
+                _upstream(m)
+            step, model = _lora_training(hf, clip_grad)
+            out = [step() for _ in range(3)]  # warm: allocator, Triton and TE kernels compiled
+            syncs = _syncs(lambda: out.append(step()))  # noqa: B023 (called at once)
+            out.append(step())
+            losses = [float(loss) for loss, _ in out]
+            norms = [float(n) for _, n in out]
+            adapters = {n: p.detach().float().clone() for n, p in model.named_parameters() if "lora" in n}
+        runs[name] = {"syncs": syncs, "losses": losses, "norms": norms, "adapters": adapters}
+    patched, upstream = runs["patched"], runs["upstream"]
+    assert patched["syncs"] == [], f"host syncs with the patches: {patched['syncs']}"
+    upstream_files = {s.rsplit(":", 1)[0].rsplit("/", 1)[-1] for s in upstream["syncs"]}
+    assert {"clip_grads.py", "cross_entropy.py"} <= upstream_files, upstream["syncs"]
+
+    norm_rel = max(abs(a - b) / b for a, b in zip(patched["norms"], upstream["norms"], strict=True))
+    loss_rel = max(abs(a - b) / b for a, b in zip(patched["losses"], upstream["losses"], strict=True))
+    # in bf16 steps at each adapter tensor's largest value
+    adapter_steps = max(
+        ((patched["adapters"][n] - u).abs().max() / (u.abs().max() * 2**-8)).item()
+        for n, u in upstream["adapters"].items()
+    )
+    clipped = all(n > clip_grad for n in upstream["norms"])
+    EVIDENCE.record(
+        f"lora_step_{'clipping' if clip_grad < 1 else 'not_clipping'}",
+        upstream_syncs=upstream["syncs"],
+        patched_syncs=patched["syncs"],
+        grad_norm_max_rel=norm_rel,
+        loss_max_rel=loss_rel,
+        adapter_max_bf16_steps=adapter_steps,
+        clipped_every_step=clipped,
+        norms=upstream["norms"],
+    )
+    assert clipped == (clip_grad < 1), upstream["norms"]
+    assert norm_rel <= 1e-5, (patched["norms"], upstream["norms"])
+    assert loss_rel <= 1e-3, (patched["losses"], upstream["losses"])
+    assert adapter_steps <= 2, adapter_steps
