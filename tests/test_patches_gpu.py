@@ -10,6 +10,7 @@ Measured values go to $TWINKLE_EVIDENCE_DIR/patches-gpu.json.
 
 from __future__ import annotations
 
+import traceback
 import warnings
 
 import pytest
@@ -103,16 +104,29 @@ def _lora_training(hf, clip_grad: float):
 
 
 def _syncs(fn) -> list[str]:
-    """``file:line`` of every host sync ``fn`` makes (torch's sync debug mode, warning on each)."""
+    """Every host sync ``fn`` makes (torch's sync debug mode warns at each), as the three innermost
+    ``file:line`` outside torch that led to it, innermost first."""
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            stack = traceback.extract_stack()[:-1]
+            outside = [
+                f for f in stack if "/torch/" not in f.filename and not f.filename.endswith("warnings.py")
+            ]
+            where = [f"{f.filename}:{f.lineno}" for f in reversed(outside[-3:])] or [f"{filename}:{lineno}"]
+            found.append(" < ".join(where))
+
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
+    return found
 
 
 @pytest.mark.parametrize("clip_grad", [1e-3, 1e9], ids=["clipping", "not_clipping"])
@@ -139,7 +153,7 @@ def test_lora_step_makes_no_host_sync_and_trains_as_upstream(lora_checkpoints, g
         runs[name] = {"syncs": syncs, "losses": losses, "norms": norms, "adapters": adapters}
     patched, upstream = runs["patched"], runs["upstream"]
     assert patched["syncs"] == [], f"host syncs with the patches: {patched['syncs']}"
-    upstream_files = {s.rsplit(":", 1)[0].rsplit("/", 1)[-1] for s in upstream["syncs"]}
+    upstream_files = {s.split(" < ")[0].rsplit(":", 1)[0].rsplit("/", 1)[-1] for s in upstream["syncs"]}
     assert {"clip_grads.py", "cross_entropy.py"} <= upstream_files, upstream["syncs"]
 
     norm_rel = max(abs(a - b) / b for a, b in zip(patched["norms"], upstream["norms"], strict=True))
