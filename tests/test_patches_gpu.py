@@ -10,6 +10,7 @@ Measured values go to $TWINKLE_EVIDENCE_DIR/patches-gpu.json.
 
 from __future__ import annotations
 
+import gc
 import traceback
 import warnings
 
@@ -117,7 +118,11 @@ def _syncs(fn) -> list[str]:
             where = [f"{f.filename}:{f.lineno}" for f in reversed(outside[-3:])] or [f"{filename}:{lineno}"]
             found.append(" < ".join(where))
 
+    # Python's GC off, as pretrain_gpt.py's --manual-gc and the benchmark have it: a collection would run
+    # other objects' finalizers inside the step (once seen here: torch.cuda.synchronize from one)
+    gc.collect()
     torch.cuda.synchronize()
+    gc.disable()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
@@ -126,6 +131,7 @@ def _syncs(fn) -> list[str]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+            gc.enable()
     return found
 
 
