@@ -110,7 +110,7 @@ def _syncs(fn) -> list[str]:
     found = []
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing" in str(message):
+        if "called a synchronizing CUDA operation" in str(message):  # not the mode's own notice
             stack = traceback.extract_stack()[:-1]
             outside = [
                 f for f in stack if "/torch/" not in f.filename and not f.filename.endswith("warnings.py")
@@ -119,7 +119,7 @@ def _syncs(fn) -> list[str]:
             found.append(" < ".join(where))
 
     # Python's GC off, as pretrain_gpt.py's --manual-gc and the benchmark have it: a collection would run
-    # other objects' finalizers inside the step (once seen here: torch.cuda.synchronize from one)
+    # other objects' finalizers inside the step
     gc.collect()
     torch.cuda.synchronize()
     gc.disable()
