@@ -4,7 +4,8 @@ A LoRA training step (forward with TE's fused cross entropy, backward, megatron 
 optimizer with clipping) runs under torch's sync debug mode, which reports every host sync with the
 Python line that made it. Upstream makes two per step, at the gradient norm's ``.item()`` and at TE's
 ``torch.tensor(1.0, device=...)``; patched it makes none. Both runs train the same model on the same data:
-their gradient norms agree to 1e-5 relative, their losses to 1e-3 and their adapters to 2 bf16 steps.
+their gradient norms and Adam's first moments (the clipped gradients' mean) agree to 1e-5 relative, their
+losses to 1e-3 and their adapters to 2 bf16 steps.
 Measured values go to $TWINKLE_EVIDENCE_DIR/patches-gpu.json.
 """
 
@@ -101,7 +102,15 @@ def _lora_training(hf, clip_grad: float):
         opt.zero_grad()
         return loss.detach(), grad_norm
 
-    return step, model
+    return step, model, opt
+
+
+def _first_moments(opt) -> torch.Tensor:
+    """Adam's first moments, all shards in one vector: the clipped gradients' running mean. (The
+    parameters cannot show a clip: Adam's update does not change when every gradient is scaled.)"""
+    inner = opt.chained_optimizers[0].optimizer
+    moments = [inner.get_unscaled_state(p, "exp_avg") for g in inner.param_groups for p in g["params"]]
+    return torch.cat([m.detach().float().flatten() for m in moments])
 
 
 def _syncs(fn) -> list[str]:
@@ -149,14 +158,15 @@ def test_lora_step_makes_no_host_sync_and_trains_as_upstream(lora_checkpoints, g
         with monkeypatch.context() as m:
             if name == "upstream":
                 _upstream(m)
-            step, model = _lora_training(hf, clip_grad)
+            step, model, opt = _lora_training(hf, clip_grad)
             out = [step() for _ in range(3)]  # warm: allocator, Triton and TE kernels compiled
             syncs = _syncs(lambda: out.append(step()))  # noqa: B023 (called at once)
             out.append(step())
             losses = [float(loss) for loss, _ in out]
             norms = [float(n) for _, n in out]
             adapters = {n: p.detach().float().clone() for n, p in model.named_parameters() if "lora" in n}
-        runs[name] = {"syncs": syncs, "losses": losses, "norms": norms, "adapters": adapters}
+            moments = _first_moments(opt)
+        runs[name] = {"syncs": syncs, "losses": losses, "norms": norms, "adapters": adapters, "m": moments}
     patched, upstream = runs["patched"], runs["upstream"]
     assert patched["syncs"] == [], f"host syncs with the patches: {patched['syncs']}"
     upstream_files = {s.split(" < ")[0].rsplit(":", 1)[0].rsplit("/", 1)[-1] for s in upstream["syncs"]}
@@ -169,6 +179,7 @@ def test_lora_step_makes_no_host_sync_and_trains_as_upstream(lora_checkpoints, g
         ((patched["adapters"][n] - u).abs().max() / (u.abs().max() * 2**-8)).item()
         for n, u in upstream["adapters"].items()
     )
+    moment_rel = ((patched["m"] - upstream["m"]).abs().max() / upstream["m"].abs().max()).item()
     clipped = all(n > clip_grad for n in upstream["norms"])
     EVIDENCE.record(
         f"lora_step_{'clipping' if clip_grad < 1 else 'not_clipping'}",
@@ -177,10 +188,13 @@ def test_lora_step_makes_no_host_sync_and_trains_as_upstream(lora_checkpoints, g
         grad_norm_max_rel=norm_rel,
         loss_max_rel=loss_rel,
         adapter_max_bf16_steps=adapter_steps,
+        adam_first_moment_max_rel=moment_rel,
+        adam_first_moment_max=upstream["m"].abs().max().item(),
         clipped_every_step=clipped,
         norms=upstream["norms"],
     )
     assert clipped == (clip_grad < 1), upstream["norms"]
     assert norm_rel <= 1e-5, (patched["norms"], upstream["norms"])
+    assert moment_rel <= 1e-5, moment_rel  # a missed clip (x 1e-3) or a double one would be far off
     assert loss_rel <= 1e-3, (patched["losses"], upstream["losses"])
     assert adapter_steps <= 2, adapter_steps
