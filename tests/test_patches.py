@@ -3,6 +3,8 @@ GPU patches' logic runs here on the host (their no-sync evidence is tests/test_p
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from twinkle_specs.patches import (
@@ -203,3 +205,42 @@ def test_cross_entropy_patch_always_asks_te_for_its_capturable_backward(monkeypa
     assert patched.__wrapped__ is upstream
     assert patched("logits", "labels", None, False) == "loss" and patched("l", "t", None) == "loss"
     assert seen == [True, True]
+
+
+_SHARDED_NORM_WORKER = """
+import torch, torch.distributed as dist
+from twinkle_specs.patches import grad_norm_on_device as gn
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+gen = torch.Generator().manual_seed(0)
+grads = [torch.randn(shape, generator=gen) * 3 for shape in [(64, 32), (7,), (3, 5, 11), (40,)]]
+mine = grads[:2] if rank == 0 else grads[2:]  # each rank holds a shard, as the distributed optimizer's do
+norm = gn.get_grad_norm_fp32([g.clone() for g in mine])  # reduced over the default group
+params = [torch.nn.Parameter(torch.zeros_like(g)) for g in mine]
+for p, g in zip(params, mine):
+    p.grad = g.clone()
+gn.clip_grad_by_total_norm_fp32(params, 1.0, norm)
+ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+for p, g in zip(ref, grads):
+    p.grad = g.clone()
+ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+ref_mine = ref[:2] if rank == 0 else ref[2:]
+grad_err = max(((p.grad - r.grad).abs().max() / r.grad.abs().max()).item() for p, r in zip(params, ref_mine))
+print(f"rank{rank} norm_rel={abs(norm.item() - ref_norm.item()) / ref_norm.item():.3e} grad_rel={grad_err:.3e}")
+dist.destroy_process_group()
+"""
+
+
+def test_device_grad_norm_reduces_over_ranks_holding_shards(tmp_path):
+    """Two gloo ranks, each with half of the gradients: the norm is the global one and each rank's clip
+    matches torch's clip over all gradients (1e-6 relative)."""
+    from conftest import run_dist
+
+    script = tmp_path / "sharded_norm.py"
+    script.write_text(_SHARDED_NORM_WORKER)
+    out = run_dist(2, script, timeout=240, cpu_only=True).stdout
+    found = re.findall(r"rank(\d) norm_rel=(\S+) grad_rel=(\S+)", out)  # the ranks' lines may interleave
+    assert sorted(r for r, _, _ in found) == ["0", "1"], out
+    for _, norm_rel, grad_rel in found:
+        assert float(norm_rel) <= 1e-6 and float(grad_rel) <= 1e-6, out
