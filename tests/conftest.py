@@ -88,3 +88,19 @@ def megatron_single():
     from twinkle_specs.parity import _init_single_process
 
     _init_single_process()
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    """One GPU with Transformer Engine at TP=PP=1 for a module's in-process tests (torn down after it, so
+    another module's layout does not leak in)."""
+    import transformer_engine  # noqa: F401  (the modules that use this test the TE path)
+    from megatron.core import parallel_state as ps
+
+    from twinkle_specs.parity import _init_single_process
+
+    if ps.model_parallel_is_initialized():  # another module's layout: start from TP=PP=1
+        ps.destroy_model_parallel()
+    _init_single_process()
+    yield
+    ps.destroy_model_parallel()

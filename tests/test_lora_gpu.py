@@ -42,20 +42,6 @@ WORKER = Path(__file__).parent / "test_lora_gpu_worker.py"
 EVIDENCE = Evidence("lora-gpu.json")
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    import transformer_engine  # noqa: F401  (the point of this module: the TE path)
-    from megatron.core import parallel_state as ps
-
-    from twinkle_specs.parity import _init_single_process
-
-    if ps.model_parallel_is_initialized():  # another module's layout: start from TP=PP=1
-        ps.destroy_model_parallel()
-    _init_single_process()
-    yield
-    ps.destroy_model_parallel()
-
-
 def _peft_adapter(hf: Path, out: Path, **targets):
     """A random PEFT adapter made by peft itself, and its fp32 logits (the truth)."""
     import peft

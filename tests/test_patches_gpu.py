@@ -27,20 +27,6 @@ pytestmark = [
 EVIDENCE = Evidence("patches-gpu.json")
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    import transformer_engine  # noqa: F401
-    from megatron.core import parallel_state as ps
-
-    from twinkle_specs.parity import _init_single_process
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    _init_single_process()
-    yield
-    ps.destroy_model_parallel()
-
-
 def _upstream(monkeypatch) -> None:
     """Megatron's own functions back in the places the patches replace."""
     from megatron.core.extensions import transformer_engine as te_ext
@@ -54,7 +40,7 @@ def _upstream(monkeypatch) -> None:
 
 def _lora_training(hf, clip_grad: float):
     """A bf16 LoRA model under megatron DDP and the distributed optimizer (as bench/harness.py runs it);
-    returns ``step() -> (loss, grad_norm)`` and the model."""
+    returns ``step() -> (loss, grad_norm)``, the model and the optimizer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from test_lora_support import tokens
