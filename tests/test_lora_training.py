@@ -205,3 +205,23 @@ def test_resume_from_adapter_only_checkpoint_continues_the_loss_curve(hf, single
     assert straight[0] > straight[-1]  # it trains
     assert head == straight[:3]
     assert max(abs(a - b) for a, b in zip(tail, straight[3:], strict=True)) <= 1e-6, (straight, head + tail)
+
+
+def test_forward_without_autograd_is_the_training_forward_bit_for_bit(hf, single_rank):  # noqa: F811
+    """Evaluation (no autograd) runs the adapter's A GEMM with its scaling as alpha, as training does, so
+    a bf16 model gives the same logits either way. The scaling 8/6 is not a power of two: multiplying
+    ``h`` by it afterwards rounds twice and moves last bits."""
+    model = ts.build_model(
+        hf,
+        lora=LoraConfig(r=6, lora_alpha=8, target_modules="all-linear"),
+        params_dtype=torch.bfloat16,
+        bf16=True,
+    )
+    randomize_megatron(model)
+    toks = tokens()
+    pos = torch.arange(toks.shape[1]).expand_as(toks)
+    trained = model(toks, pos, None)
+    assert trained.requires_grad
+    with torch.no_grad():
+        evaluated = model(toks, pos, None)
+    assert torch.equal(evaluated, trained.detach()), (evaluated - trained).abs().max()

@@ -83,6 +83,14 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.addmm(a.new_empty(a.shape[0], b.shape[1]), a, b, beta=0, alpha=scale)
 
 
+def low_rank_down(x: torch.Tensor, a: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * x @ aᵀ`` for ``x`` [..., in] and ``a`` [r, in], rounded once: :class:`LowRankDown`'s
+    forward, and what a forward without autograd runs, so that evaluation's ``h`` is training's."""
+    if scale == 1.0:
+        return F.linear(x, a)
+    return scaled_mm(x.reshape(-1, x.shape[-1]), a.t(), scale).view(*x.shape[:-1], a.shape[0])
+
+
 def _whole(t: torch.Tensor) -> bool:
     """Whether ``t`` is contiguous and all of its storage's tensor: a tensor of its own or a reshape view
     covering all of its base."""
@@ -119,9 +127,7 @@ class LowRankDown(torch.autograd.Function):
             ctx.save_for_backward()
         else:
             ctx.save_for_backward(x if fn is None else source, a)
-        if scale == 1.0:
-            return F.linear(x, a)
-        return scaled_mm(x.reshape(-1, x.shape[-1]), a.t(), scale).view(*x.shape[:-1], a.shape[0])
+        return low_rank_down(x, a, scale)
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor):

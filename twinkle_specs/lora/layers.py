@@ -64,7 +64,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from .config import SITE_SLOTS, SlotSpec
-from .functions import AddLowRank, Gather, GradLink, IntoBaseGrad, LowRankDown
+from .functions import AddLowRank, Gather, GradLink, IntoBaseGrad, LowRankDown, low_rank_down
 from .recompute import InputRecipe, RoutedTokens, recompute_allowed
 
 
@@ -215,13 +215,17 @@ class LoraLayerMixin:
             h = torch.cat(
                 [F.linear(self.lora_dropout(x), self.lora_factor("A", s)) for s in self.lora_slots], dim=-1
             )
-        elif dropout or not torch.is_grad_enabled():
+        elif dropout:
             h = F.linear(self.lora_dropout(x), self.lora_param("A"))
         else:
-            source, fn = recipe if recipe is not None and recompute_allowed() else (None, None)
             scale = self._lora_scaling()  # the A GEMM's alpha where the slots share one
+            alpha = 1.0 if scale is None else scale
             a = self.lora_param("A") if a is None else a
-            h = LowRankDown.apply(x, a, link, source, fn, 1.0 if scale is None else scale)
+            if torch.is_grad_enabled():
+                source, fn = recipe if recipe is not None and recompute_allowed() else (None, None)
+                h = LowRankDown.apply(x, a, link, source, fn, alpha)
+            else:  # the same GEMM without autograd: evaluation's h is training's, bit for bit
+                h = low_rank_down(x, a, alpha)
             if scale is not None:
                 return self._lora_comm(h)
         return self._lora_comm(self._lora_scale(h))
