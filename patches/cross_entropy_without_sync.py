@@ -14,17 +14,14 @@ from __future__ import annotations
 import functools
 
 import torch
-from packaging.version import Version
+
+from .gates import megatron_core_in
 
 NEEDED_FOR = ">=0.16, <0.20 (megatron-core) on CUDA, Transformer Engine >= 2.7"
 
 
 def is_needed() -> bool:
-    import megatron.core
-
-    if not torch.cuda.is_available():
-        return False
-    if not Version("0.16") <= Version(megatron.core.__version__) < Version("0.20"):
+    if not torch.cuda.is_available() or not megatron_core_in("0.16", "0.20"):
         return False
     from megatron.core.models.common.language_module import language_module
     from megatron.core.utils import is_te_min_version

@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from packaging.version import Version
+
+from .gates import megatron_core_in
 
 NEEDED_FOR = ">=0.16, <0.20 (megatron-core) on CUDA, without TE's multi_tensor_scale_tensor"
 
@@ -28,14 +29,11 @@ DEVICE_CLIP_MAX_NUMEL = 2**27
 
 
 def is_needed() -> bool:
-    import megatron.core
+    if not torch.cuda.is_available() or not megatron_core_in("0.16", "0.20"):
+        return False
     from megatron.core.optimizer import clip_grads
 
-    version = Version(megatron.core.__version__)
-    upstream_on_device = getattr(clip_grads, "multi_tensor_scale_tensor_impl", None) is not None
-    return (
-        torch.cuda.is_available() and Version("0.16") <= version < Version("0.20") and not upstream_on_device
-    )
+    return getattr(clip_grads, "multi_tensor_scale_tensor_impl", None) is None  # else upstream's own path
 
 
 def _local_grads(grads: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], object]:

@@ -10,19 +10,14 @@ when CUDA is unavailable, so GPU training runs upstream code unchanged.
 from __future__ import annotations
 
 import torch
-from packaging.version import Version
+
+from .gates import megatron_core_in
 
 NEEDED_FOR = ">=0.16, <0.20 (megatron-core), CPU-only hosts"
 
 
-def _megatron_version() -> Version:
-    import megatron.core
-
-    return Version(megatron.core.__version__)
-
-
 def is_needed() -> bool:
-    return not torch.cuda.is_available() and Version("0.16") <= _megatron_version() < Version("0.20")
+    return not torch.cuda.is_available() and megatron_core_in("0.16", "0.20")
 
 
 def get_emb_on_host(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:

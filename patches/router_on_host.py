@@ -10,16 +10,14 @@ linear in the router dtype, only when CUDA is unavailable; GPU training runs ups
 from __future__ import annotations
 
 import torch
-from packaging.version import Version
+
+from .gates import megatron_core_in
 
 NEEDED_FOR = ">=0.16, <0.20 (megatron-core), CPU-only hosts"
 
 
 def is_needed() -> bool:
-    import megatron.core
-
-    version = Version(megatron.core.__version__)
-    return not torch.cuda.is_available() and Version("0.16") <= version < Version("0.20")
+    return not torch.cuda.is_available() and megatron_core_in("0.16", "0.20")
 
 
 def gating_on_host(self, input: torch.Tensor) -> torch.Tensor:
