@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from . import telemetry
 from .flops import peak_flops, step_flops
 from .stats import spread
 
@@ -65,6 +66,7 @@ class Settings:
     profile: bool = False
     profile_steps: int = 2
     profile_trace: bool = False
+    telemetry: bool = True  # GPU clocks/power per timed step (bench/telemetry.py)
     seed: int = 1234
 
     def torch_dtype(self) -> torch.dtype:
@@ -145,11 +147,11 @@ def _gc_paused():
         gc.unfreeze()
 
 
-def time_steps(step, warmup: int, steps: int) -> dict[str, Any]:
+def time_steps(step, warmup: int, steps: int, sample_gpu: bool = True) -> dict[str, Any]:
     """Runs ``warmup`` untimed and ``steps`` timed iterations of one variant (:func:`time_interleaved`
     with nothing to interleave). Returns per-step and per-phase times, the wall time of the timed loop,
-    peak memory and losses."""
-    return time_interleaved({"": step}, warmup, steps)[""]
+    peak memory, losses and (``sample_gpu``) the GPU's clocks per step."""
+    return time_interleaved({"": step}, warmup, steps, sample_gpu)[""]
 
 
 def interleaved_order(names: list[str], round_: int) -> list[str]:
@@ -158,7 +160,15 @@ def interleaved_order(names: list[str], round_: int) -> list[str]:
     return list(names) if round_ % 2 == 0 else list(reversed(names))
 
 
-def time_interleaved(steps: dict[str, Any], warmup: int, n: int) -> dict[str, dict[str, Any]]:
+def _gpu_sampler() -> telemetry.Sampler:
+    """nvidia-smi sampling of this process's GPU, named by UUID (CUDA_VISIBLE_DEVICES may renumber)."""
+    uuid = str(torch.cuda.get_device_properties(_device()).uuid)
+    return telemetry.Sampler(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}").start()
+
+
+def time_interleaved(
+    steps: dict[str, Any], warmup: int, n: int, sample_gpu: bool = True
+) -> dict[str, dict[str, Any]]:
     """Times one or several variants in one process, one step of each per round
     (:func:`interleaved_order`), without a host sync between timed steps.
 
@@ -166,7 +176,8 @@ def time_interleaved(steps: dict[str, Any], warmup: int, n: int) -> dict[str, di
     (identical runs of (a), bench/results/2026-11-23-h100-s12), which drowns a 2 % comparison; step
     by step in one process, that drift falls on every variant alike. On a GPU each step is timed from
     a CUDA event before it to one after it, and :class:`PhaseClock` splits it into forward / backward /
-    optimizer. Memory figures are the process's, with every variant's model resident."""
+    optimizer. Memory figures are the process's, with every variant's model resident. With
+    ``sample_gpu`` on a GPU, the SM clock and power during each step (:mod:`.telemetry`)."""
     names = list(steps)
     losses: dict[str, list[float]] = {v: [] for v in names}
     for i in range(warmup):
@@ -184,12 +195,14 @@ def time_interleaved(steps: dict[str, Any], warmup: int, n: int) -> dict[str, di
         event.record()
         return event
 
+    sampler = _gpu_sampler() if sample_gpu and on_gpu() else None
     with _gc_paused():
         mem_before = None
         if on_gpu():
             torch.cuda.reset_peak_memory_stats()
             mem_before = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
+        ref = mark()  # on an idle GPU (synced above): fires at host time t0
         for i in range(n):
             for v in interleaved_order(names, i):
                 start = mark()
@@ -201,6 +214,8 @@ def time_interleaved(steps: dict[str, Any], warmup: int, n: int) -> dict[str, di
         CLOCK.steps = None
         _sync()
         wall = time.perf_counter() - t0
+    if sampler is not None:
+        sampler.stop()
     memory: dict[str, float] = {}
     if on_gpu():
         peak = torch.cuda.max_memory_allocated()
@@ -217,6 +232,9 @@ def time_interleaved(steps: dict[str, Any], warmup: int, n: int) -> dict[str, di
         if on_gpu():
             times = [a.elapsed_time(b) / 1e3 for a, b in marks[v]]
             result["phase_time_s"] = PhaseClock.spans(clocks[v], [b for _, b in marks[v]])
+            if sampler is not None:
+                at = [(t0 + ref.elapsed_time(a) / 1e3, t0 + ref.elapsed_time(b) / 1e3) for a, b in marks[v]]
+                result["gpu_telemetry"] = telemetry.summary(sampler, at)
         else:
             times = [b - a for a, b in marks[v]]
         result |= {"step_time_s": spread(times), "losses": losses[v] + [float(x) for x in outs[v]]}
@@ -785,7 +803,7 @@ def _full_iteration_step(wrapped, finish, config, tokens, labels, position_ids, 
 
 def run_megatron(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: str) -> dict[str, Any]:
     result, step, forward, backward_and_update = _prepare_megatron(variant, hf_dir, s)
-    result |= time_steps(step, s.warmup, s.steps)
+    result |= time_steps(step, s.warmup, s.steps, s.telemetry)
     if s.cuda_graphs == "none":
         result |= activation_memory(forward, backward_and_update)
     else:
@@ -894,7 +912,7 @@ def run_hf(variant: str, hf_dir: Path, s: Settings, out_dir: Path, tag: str) -> 
         return backward_and_update(forward())
 
     result["step"] = "forward + backward + optimizer step"
-    result |= time_steps(step, s.warmup, s.steps)
+    result |= time_steps(step, s.warmup, s.steps, s.telemetry)
     result |= activation_memory(forward, backward_and_update)
     if s.profile:
         result["profile"] = profile_steps(step, s.profile_steps, out_dir, tag, s.profile_trace)
@@ -1015,7 +1033,8 @@ def run_interleaved(task: Task, variants: list[str]) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     try:
         prepared = {v: _prepare_megatron(v, hf_dir, s)[0:2] for v in runnable}
-        timed = time_interleaved({v: step for v, (_, step) in prepared.items()}, s.warmup, s.steps)
+        steps = {v: step for v, (_, step) in prepared.items()}
+        timed = time_interleaved(steps, s.warmup, s.steps, s.telemetry)
     except Exception as err:  # noqa: BLE001  (recorded, as run_task does)
         results |= {v: _base(task, v) | _error(err) for v in runnable}
         return [results[v] for v in variants]

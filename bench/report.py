@@ -270,6 +270,7 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"{r['seconds_all_ranks']:.2f} | {r['max_bytes_read_per_rank']:,} | "
                 f"{r['max_read_fraction_per_rank']:.3f} | {r['total_read_fraction']:.3f} | ok |"
             )
+    lines += telemetry_lines(doc["results"])
     profiled = [r for r in doc["results"] if r.get("profile")]
     if profiled:
         lines += ["", "## Profile (per step)", ""]
@@ -281,6 +282,39 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"{p['device_busy_ms_per_step']:.1f} ms ({_fmt(p.get('device_busy_fraction'), '.0%')}); {cats}"
             )
     return "\n".join(lines) + "\n"
+
+
+def telemetry_lines(results: list[dict[str, Any]]) -> list[str]:
+    """The GPU's clock, power and clock-event reasons over each variant's timed steps
+    (bench/telemetry.py), so a slower step can be told from a slower GPU."""
+    rows = [r for r in results if r.get("status") == "ok" and (r.get("gpu_telemetry") or {}).get("available")]
+    missing = {
+        r["gpu_telemetry"]["reason"]
+        for r in results
+        if r.get("status") == "ok" and r.get("gpu_telemetry") and not r["gpu_telemetry"]["available"]
+    }
+    if not rows and not missing:
+        return []
+    lines = [
+        "",
+        "## GPU clocks while timed (nvidia-smi samples, mean per step)",
+        "",
+        "| shape | variant | steps sampled | SM MHz median | SM MHz min–max | power W median | max °C | "
+        "clock-event reasons seen |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        g = r["gpu_telemetry"]
+        clocks = [s["sm_mhz"] for s in g["per_step"] if s]
+        tag = f" [{r['tag']}]" if r.get("tag") else ""
+        span = f"{min(clocks):.0f}–{max(clocks):.0f}" if clocks else "–"
+        lines.append(
+            f"| {r['shape']} | {r['variant']}{tag} | {g['steps_with_samples']}/{len(g['per_step'])} | "
+            f"{_fmt(g.get('sm_mhz_median'), '.0f')} | {span} | {_fmt(g.get('power_w_median'), '.0f')} | "
+            f"{_fmt(g.get('temp_c_max'), '.0f')} | {', '.join(g.get('reasons_seen', [])) or '–'} |"
+        )
+    lines += [f"- not sampled: {why}" for why in sorted(missing)]
+    return lines
 
 
 def plot(doc: dict[str, Any], path: Path) -> Path:

@@ -121,6 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--load-on-gpu", action="store_true", help="--load-layouts ranks on GPUs (NCCL), not CPU")
     ap.add_argument("--profile", action="store_true", help="torch profiler after timing: profile.txt")
     ap.add_argument("--profile-trace", action="store_true", help="with --profile: chrome traces too")
+    ap.add_argument(
+        "--no-telemetry", action="store_true", help="do not sample the GPU's clocks/power with nvidia-smi"
+    )
     ap.add_argument("--tag", default="", help="label of this configuration (kept apart in ratios)")
     ap.add_argument(
         "--repeats",
@@ -347,6 +350,7 @@ def _settings(args, on_gpu: bool):
         load=not args.no_load,
         profile=args.profile,
         profile_trace=args.profile_trace,
+        telemetry=not args.no_telemetry,
     )
 
 
