@@ -207,6 +207,33 @@ def test_te_bf16_training_with_full_recompute(lora_checkpoints, gpu):
             assert torch.equal(p, base[n]), f"unmerge did not restore {n} exactly"
 
 
+def test_te_forward_without_autograd_is_the_training_forward_bit_for_bit(lora_checkpoints, gpu):
+    """On the TE path with its CUDA kernels (fused SwiGLU, q/k norm + RoPE, norm recipes), a forward
+    without autograd gives the training forward's bf16 logits exactly: both take the adapter's scaling
+    as the A GEMM's alpha. The scaling 8/6 is not a power of two, so a separate multiply would move
+    last bits (the CPU test in test_lora_training.py checks the portable path)."""
+    from test_lora_support import randomize_megatron, tokens
+
+    import twinkle_specs as ts
+    from twinkle_specs import LoraConfig
+
+    model = ts.build_model(
+        lora_checkpoints("qwen3"),
+        lora=LoraConfig(r=6, lora_alpha=8, target_modules="all-linear"),
+        params_dtype=torch.bfloat16,
+        bf16=True,
+    )
+    randomize_megatron(model)
+    assert model.decoder.layers[0].mlp.lora_fuses_activation  # the SwiGLU kernels are on this path
+    toks = tokens(s=64).cuda()
+    pos = torch.arange(toks.shape[1], device="cuda").expand_as(toks)
+    trained = model(toks, pos, None)
+    assert trained.requires_grad
+    with torch.no_grad():
+        evaluated = model(toks, pos, None)
+    assert torch.equal(evaluated, trained.detach()), (evaluated - trained).abs().max()
+
+
 def _qwen3_moe_lora_bf16(lora_checkpoints, **overrides) -> tuple:
     """Qwen3-MoE with LoRA r=8 all-linear in bf16 on TE grouped-GEMM experts, the adapters randomised
     (B != 0: they change the output and get full gradients), and 64 tokens with their positions."""
