@@ -222,6 +222,8 @@ def test_te_forward_without_autograd_is_the_training_forward_bit_for_bit(lora_ch
         lora=LoraConfig(r=6, lora_alpha=8, target_modules="all-linear"),
         params_dtype=torch.bfloat16,
         bf16=True,
+        bias_activation_fusion=True,
+        apply_rope_fusion=True,
     )
     randomize_megatron(model)
     assert model.decoder.layers[0].mlp.lora_fuses_activation  # the SwiGLU kernels are on this path
