@@ -284,6 +284,13 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _reasons(g: dict[str, Any]) -> str:
+    """``sw_power_cap 85 %, ...``; results from before the shares were kept list the names seen."""
+    if "reason_share" in g:
+        return ", ".join(f"{k} {v:.0%}" for k, v in g["reason_share"].items()) or "–"
+    return ", ".join(g.get("reasons_seen", [])) or "–"
+
+
 def telemetry_lines(results: list[dict[str, Any]]) -> list[str]:
     """The GPU's clock, power and clock-event reasons over each variant's timed steps
     (bench/telemetry.py), so a slower step can be told from a slower GPU."""
@@ -300,7 +307,7 @@ def telemetry_lines(results: list[dict[str, Any]]) -> list[str]:
         "## GPU clocks while timed (nvidia-smi samples, mean per step)",
         "",
         "| shape | variant | steps sampled | SM MHz median | SM MHz min–max | power W median | max °C | "
-        "clock-event reasons seen |",
+        "clock-event reasons (share of samples where kept) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -311,7 +318,7 @@ def telemetry_lines(results: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {r['shape']} | {r['variant']}{tag} | {g['steps_with_samples']}/{len(g['per_step'])} | "
             f"{_fmt(g.get('sm_mhz_median'), '.0f')} | {span} | {_fmt(g.get('power_w_median'), '.0f')} | "
-            f"{_fmt(g.get('temp_c_max'), '.0f')} | {', '.join(g.get('reasons_seen', [])) or '–'} |"
+            f"{_fmt(g.get('temp_c_max'), '.0f')} | {_reasons(g)} |"
         )
     lines += [f"- not sampled: {why}" for why in sorted(missing)]
     return lines

@@ -143,32 +143,39 @@ class Sampler:
 
 
 def per_step(samples: list[Sample], windows: list[tuple[float, float]]) -> list[dict[str, Any] | None]:
-    """Per host-clock window, the mean SM clock and power, the highest temperature and the union of
-    reasons over the samples inside it; None for a window no sample fell in (shorter than the period)."""
+    """Per host-clock window, the mean SM clock and power, the highest temperature and the share of the
+    samples inside it that had each reason; None for a window no sample fell in (shorter than the
+    period)."""
     out: list[dict[str, Any] | None] = []
     for lo, hi in windows:
         inside = [s for s in samples if lo <= s.t <= hi]
         if not inside:
             out.append(None)
             continue
-        mask = 0
-        for s in inside:
-            mask |= s.reasons
         out.append(
             {
                 "samples": len(inside),
                 "sm_mhz": statistics.fmean(s.sm_mhz for s in inside),
                 "power_w": statistics.fmean(s.power_w for s in inside),
                 "temp_c": max(s.temp_c for s in inside),
-                "reasons": decode_reasons(mask),
+                "reasons": _shares(inside),
             }
         )
     return out
 
 
+def _shares(samples: list[Sample]) -> dict[str, float]:
+    """Each reason seen, with the share of ``samples`` it was active in."""
+    counts: dict[str, int] = {}
+    for s in samples:
+        for name in decode_reasons(s.reasons):
+            counts[name] = counts.get(name, 0) + 1
+    return {name: n / len(samples) for name, n in sorted(counts.items())}
+
+
 def summary(sampler: Sampler, windows: list[tuple[float, float]]) -> dict[str, Any]:
-    """What a result records: per-step readings, their medians, the reasons seen while timed, and the
-    query used; or why there are none."""
+    """What a result records: per-step readings, their medians, each reason's share of the samples taken
+    while timed, and the query used; or why there are none."""
     if sampler.error or sampler.fields is None:
         return {"available": False, "reason": sampler.error or "not started"}
     steps = per_step(sampler.samples, windows)
@@ -181,12 +188,12 @@ def summary(sampler: Sampler, windows: list[tuple[float, float]]) -> dict[str, A
         "per_step": steps,
     }
     if seen:
-        reasons = sorted({r for s in seen for r in s["reasons"]})
+        inside = [s for lo, hi in windows for s in sampler.samples if lo <= s.t <= hi]
         result |= {
             "sm_mhz_median": statistics.median(s["sm_mhz"] for s in seen),
             "sm_mhz_min": min(s["sm_mhz"] for s in seen),
             "power_w_median": statistics.median(s["power_w"] for s in seen),
             "temp_c_max": max(s["temp_c"] for s in seen),
-            "reasons_seen": reasons,
+            "reason_share": _shares(inside),
         }
     return result

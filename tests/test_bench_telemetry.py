@@ -35,9 +35,9 @@ def test_per_step_averages_the_samples_inside_each_window():
     ]
     steps = per_step(samples, [(0.0, 0.03), (0.035, 0.07), (0.08, 0.09)])
     assert steps[0]["samples"] == 2 and steps[0]["sm_mhz"] == 1940 and steps[0]["power_w"] == 400
-    assert steps[0]["reasons"] == []
+    assert steps[0]["reasons"] == {}
     assert steps[1]["sm_mhz"] == 1675 and steps[1]["temp_c"] == 47
-    assert steps[1]["reasons"] == ["sw_power_cap", "sw_thermal_slowdown"]
+    assert steps[1]["reasons"] == {"sw_power_cap": 1.0, "sw_thermal_slowdown": 0.5}
     assert steps[2] is None  # no sample fell in it
 
 
@@ -71,7 +71,7 @@ def test_sampler_picks_the_field_set_the_driver_answers_and_samples_until_stoppe
     assert len(samples) >= 5 and all(s.sm_mhz == 1755 and s.reasons == 0x4 for s in samples)
     got = summary(sampler, [(t0, samples[-1].t), (samples[-1].t + 10, samples[-1].t + 11)])
     assert got["available"] and got["steps_with_samples"] == 1 and got["per_step"][1] is None
-    assert got["sm_mhz_median"] == 1755 and got["reasons_seen"] == ["sw_power_cap"]
+    assert got["sm_mhz_median"] == 1755 and got["reason_share"] == {"sw_power_cap": 1.0}
     args = (tmp_path / "args.log").read_text().splitlines()
     assert all(a.startswith("-i GPU-1234 --query-gpu=") for a in args)
     assert args[-1].endswith("--loop-ms=10")
@@ -109,6 +109,20 @@ def test_report_tables_the_clocks_and_names_what_was_not_sampled():
             "sm_mhz_median": 1841.2,
             "power_w_median": 688.0,
             "temp_c_max": 71.0,
+            "reason_share": {"gpu_idle": 0.05, "sw_power_cap": 0.875},
+        },
+    }
+    older = {  # recorded before the shares were kept: the names seen
+        "status": "ok",
+        "shape": "qwen3-1.7b",
+        "variant": "hf_peft_lora",
+        "gpu_telemetry": {
+            "available": True,
+            "steps_with_samples": 1,
+            "per_step": [{"sm_mhz": 1950.0}],
+            "sm_mhz_median": 1950.0,
+            "power_w_median": 640.0,
+            "temp_c_max": 50.0,
             "reasons_seen": ["sw_power_cap"],
         },
     }
@@ -116,9 +130,12 @@ def test_report_tables_the_clocks_and_names_what_was_not_sampled():
         "status": "ok",
         "gpu_telemetry": {"available": False, "reason": "nvidia-smi not found on PATH"},
     }
-    lines = telemetry_lines([sampled, unsampled, {"status": "error"}])
+    lines = telemetry_lines([sampled, older, unsampled, {"status": "error"}])
     row = next(line for line in lines if line.startswith("| qwen3-8b"))
-    assert row == "| qwen3-8b | twinkle_lora [s18] | 2/3 | 1841 | 1702–1980 | 688 | 71 | sw_power_cap |"
+    assert row == (
+        "| qwen3-8b | twinkle_lora [s18] | 2/3 | 1841 | 1702–1980 | 688 | 71 | gpu_idle 5%, sw_power_cap 88% |"
+    )
+    assert next(line for line in lines if line.startswith("| qwen3-1.7b")).endswith("| 50 | sw_power_cap |")
     assert lines[-1] == "- not sampled: nvidia-smi not found on PATH"
     assert telemetry_lines([{"status": "ok"}]) == []
 
