@@ -9,6 +9,7 @@ covered by tests/test_lora_gpu.py.
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 
@@ -182,6 +183,28 @@ def test_targeted_norm_fused_linears_become_norm_and_linear(te, targets, split_q
     attn = got.self_attention.submodules
     assert attn.q_layernorm is QKNorm and attn.k_layernorm is QKNorm
     assert got.self_attention.module is LoraSelfAttention  # which fuses them with RoPE where it can
+
+
+def test_spec_helpers_follow_a_builder_classmethod():
+    """megatron-core 0.19 specs a dense MLP as a partial of a builder classmethod
+    (``partial(MLP.as_mlp_submodule, submodules=...)``): that spec builds the classmethod's class, and
+    swapping the class keeps the builder, now on the new class, with the same arguments."""
+    from twinkle_specs.lora.spec import _class_of, _with_class
+
+    class Base:
+        @classmethod
+        def as_mlp_submodule(cls, **kwargs):
+            return cls, kwargs
+
+    class Sub(Base):
+        pass
+
+    spec = functools.partial(Base.as_mlp_submodule, submodules="sub")
+    assert _class_of(spec) is Base
+    swapped = _with_class(spec, Sub)
+    assert _class_of(swapped) is Sub and swapped(config="c") == (Sub, {"submodules": "sub", "config": "c"})
+    plain = functools.partial(Base, submodules="sub")  # a class partial (0.19's experts) as before
+    assert _class_of(plain) is Base and _with_class(plain, Sub).func is Sub
 
 
 def test_qkv_partial_targets(te, single_rank):  # noqa: F811

@@ -207,6 +207,21 @@ def test_resume_from_adapter_only_checkpoint_continues_the_loss_curve(hf, single
     assert max(abs(a - b) for a, b in zip(tail, straight[3:], strict=True)) <= 1e-6, (straight, head + tail)
 
 
+def test_lora_model_builds_the_fused_swiglu_mlp(hf, single_rank):  # noqa: F811
+    """Every dense MLP of a LoRA model built from megatron-core's own layer spec is LoraMLP, with fc1's
+    delta going into SwiGLU. megatron-core 0.16 specs the MLP as ``ModuleSpec(MLP)`` and 0.19 as
+    ``partial(MLP.as_mlp_submodule)``; on 0.19 the spec used to keep megatron's MLP, and the LoRA step
+    ran without the fused SwiGLU (8B shape on an H200: 72.5 against 69.9 ms,
+    bench/results/2026-11-24-h200-s18). CI runs 0.16; run this file with 0.19 on the path for the other."""
+    from twinkle_specs.lora.mlp import LoraMLP
+
+    model = ts.build_model(
+        hf, lora=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), bias_activation_fusion=True
+    )
+    mlps = [layer.mlp for layer in model.decoder.layers]
+    assert mlps and all(type(m) is LoraMLP and m.lora_fuses_activation for m in mlps), mlps
+
+
 def test_forward_without_autograd_is_the_training_forward_bit_for_bit(hf, single_rank):  # noqa: F811
     """Evaluation (no autograd) runs the adapter's A GEMM with its scaling as alpha, as training does, so
     a bf16 model gives the same logits either way. The scaling 8/6 is not a power of two: multiplying

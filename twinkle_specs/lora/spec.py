@@ -128,8 +128,14 @@ def _frozen_norms(attn_sub: Any) -> bool:
 
 
 def _class_of(spec: Any) -> type:
-    """The module class a spec (class, ModuleSpec or builder partial) builds."""
-    return spec.module if isinstance(spec, ModuleSpec) else getattr(spec, "func", spec)
+    """The module class a spec (class, ModuleSpec or builder partial) builds. A partial of a class's
+    builder classmethod (megatron-core 0.19's dense MLP: ``partial(MLP.as_mlp_submodule, ...)``)
+    builds that class."""
+    if isinstance(spec, ModuleSpec):
+        return spec.module
+    fn = getattr(spec, "func", spec)
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, type) else fn
 
 
 def _with_class(spec: Any, cls: type) -> Any:
@@ -137,6 +143,9 @@ def _with_class(spec: Any, cls: type) -> Any:
     if isinstance(spec, ModuleSpec):
         return dataclasses.replace(spec, module=cls)
     if isinstance(spec, functools.partial):
+        fn = spec.func
+        if isinstance(getattr(fn, "__self__", None), type):  # the same builder classmethod, on ``cls``
+            return functools.partial(getattr(cls, fn.__name__), *spec.args, **spec.keywords)
         return functools.partial(cls, *spec.args, **spec.keywords)
     return cls
 
