@@ -82,15 +82,16 @@ class LoraGroupedMLP(TEGroupedMLP):
     fp8/fp4 (megatron then needs fc2 to keep its unquantized input, set up at construction) or saved-
     tensor hooks of a checkpoint or offloading own the saves."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if getattr(self.config, "use_transformer_engine_op_fuser", False):
+    def __init__(self, num_local_experts: int, config: Any, *args: Any, **kwargs: Any) -> None:
+        # checked before megatron's own constructor, which (0.19) asserts on its own terms first
+        if getattr(config, "use_transformer_engine_op_fuser", False):
             raise ValueError(
                 "LoRA on routed experts needs megatron's TEGroupedMLP forward, which calls linear_fc1 and "
                 "linear_fc2; use_transformer_engine_op_fuser (--use-transformer-engine-op-fuser) runs the "
                 "experts as fused TE ops that skip the adapters. Turn it off, or leave the experts out of "
                 "target_modules."
             )
+        super().__init__(num_local_experts, config, *args, **kwargs)
         self.lora_megatron_recompute = self.activation_recompute  # what the config asked for
 
     def forward(self, *args: Any, **kwargs: Any):
