@@ -468,11 +468,30 @@ def test_report_ratios_and_targets():
     assert met["c_over_a_tokens_per_s >= 1.3"] is True
     assert met["c_over_d_tokens_per_s >= 2.0"] is True
     assert met["b_over_a_tokens_per_s >= 0.98"] is False
-    assert met["c_over_e_peak_memory <= 1.05"] is True
+    # the 8B rows have no activation measurement (as under CUDA graphs): listed as not measured, not
+    # judged on the peak ratio (1.05 here, which holds the adapters' optimizer state too)
+    memory = {c["group"]: c for c in doc["targets"] if c["target"] == "c_over_e_activation_memory <= 1.05"}
+    assert memory["qwen3-8b seq4096 mbs1"]["value"] is None
+    assert memory["qwen3-8b seq4096 mbs1"]["met"] is None
+    assert not any("peak" in c["target"] for c in doc["targets"])
     small = {c["target"]: c for c in doc["targets"] if c["group"] == "qwen3-1.7b seq4096 mbs1"}
     assert set(small) == {"c_over_e_activation_memory <= 1.05"}, small
     assert small["c_over_e_activation_memory <= 1.05"]["value"] == pytest.approx(1.02)
     assert small["c_over_e_activation_memory <= 1.05"]["met"] is True
+    # above 1.05 it is a miss
+    over = [
+        r | {"activation_memory_gib": 5.3} if r.get("activation_memory_gib") == 5.1 else r for r in results
+    ]
+    missed = {
+        c["group"]: c for c in report.summarize({"results": over})["targets"] if "memory" in c["target"]
+    }
+    assert missed["qwen3-1.7b seq4096 mbs1"]["value"] == pytest.approx(1.06)
+    assert missed["qwen3-1.7b seq4096 mbs1"]["met"] is False
+    rows = report.target_lines(doc["targets"])
+    assert any(
+        r.startswith("| qwen3-8b seq4096 mbs1 | c_over_e_activation_memory <= 1.05 | – | not measured")
+        for r in rows
+    )
     assert met["mcore_te_full MFU >= 0.5 (dense 8B shape)"] is True
     assert met["twinkle_full MFU >= 0.5 (dense 8B shape)"] is False
 
