@@ -4,7 +4,7 @@
 # that ride along with the four TE parts, because one device call carries at most 64 MiB).
 # A second Megatron-LM checkout for core_v0.19.0 goes to .gpu/mlm19 with the shared script:
 #   bash ../shared/gpu/stage.sh --megatron-lm GIT_DIR core_v0.19.0 && mv .gpu/mlm .gpu/mlm19
-# (then stage core_v0.16.1 again). Device calls: docs/gpu-results.md, "How these were run".
+# (then stage core_v0.16.1 again). Device calls: docs/gpu-results.md, "How to re-run".
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
