@@ -136,7 +136,7 @@ CLOCK = PhaseClock()
 def _gc_paused():
     """Python's cyclic GC off while timing, as megatron's --manual-gc does in pretrain_gpt.py: a gen-2
     collection over a model's worth of objects lands in a random step (host-bound MoE steps varied
-    ±25 % between runs without this, bench/results/2026-11-23-h100-s9); the same for every variant."""
+    ±25 % between runs without this on an H100); the same for every variant."""
     gc.collect()
     gc.freeze()
     gc.disable()
@@ -173,7 +173,7 @@ def time_interleaved(
     (:func:`interleaved_order`), without a host sync between timed steps.
 
     Separate processes on the device's VM differ in host speed by up to 38 % on host-bound shapes
-    (identical runs of (a), bench/results/2026-11-23-h100-s12), which drowns a 2 % comparison; step
+    (identical runs of (a) on an H100), which drowns a 2 % comparison; step
     by step in one process, that drift falls on every variant alike. On a GPU each step is timed from
     a CUDA event before it to one after it, and :class:`PhaseClock` splits it into forward / backward /
     optimizer. Memory figures are the process's, with every variant's model resident. With

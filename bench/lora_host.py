@@ -1,7 +1,7 @@
 """Host time of one adapted norm + linear's forward + backward on CPU, tiny tensors (no GPU timings).
 
-At micro-batch 1 the LoRA step on an H100 is bound by the host without CUDA graphs (bench/results/
-2026-11-22-h100: GPU busy 99.5 ms of a 239 ms step), so what an adapter design costs there is mostly
+At micro-batch 1 the LoRA step on an H100 is bound by the host without CUDA graphs (a profile showed
+the GPU busy 99.5 ms of a 239 ms step), so what an adapter design costs there is mostly
 Python and dispatch time. With tensors this small the CPU time is that overhead. Five ways to compute
 ``W norm(x) + s * B(A(norm(x)))`` for a frozen ``W``, with the gradients of x and of every factor (the
 first four beside TE's norm-fused linear, which normalises for the base only, the last beside a norm of

@@ -20,7 +20,7 @@ RATIOS = (
     ("c_over_a_peak_memory", "twinkle_lora", "mcore_te_full", "peak_memory_gib", None),
     ("d_over_f_tokens_per_s", "hf_peft_lora", "hf_full", "tokens_per_s_per_gpu", None),
 )
-# (c) memory <= 1.05 x (e) frozen base: what one forward keeps for backward (the issue's "activations").
+# (c) memory <= 1.05 x (e) frozen base: what one forward keeps for backward (the activations target).
 # Under CUDA graphs the activations live in the graphs' pool and are not measured: the target is then
 # listed as not measured, not judged on the peak (which also holds the adapters' optimizer state).
 LORA_MEMORY_TARGET = 1.05

@@ -2,8 +2,8 @@
 
 Why: a GPU at a power or thermal limit lowers its clock, and a step's time moves with it. On the H200
 the LoRA step (55 % MFU) ran 65 ms in its first timed step and 70-71 ms after, while the HF step
-(28 % MFU) stayed flat (bench/results/2026-11-23-h200-s17). With the clock recorded per step, a
-result says whether a slower step was the code or the GPU.
+(28 % MFU) stayed flat: the LoRA step runs at the 700 W power cap (bench/results/2026-11-24-h200). With
+the clock recorded per step, a result says whether a slower step was the code or the GPU.
 
 ``nvidia-smi`` samples in loop mode (every ``period_ms``) in a child process; each line is stamped with
 the host clock when it arrives. The harness turns its CUDA-event step times into host-clock windows

@@ -5,7 +5,7 @@ too unless Transformer Engine has ``multi_tensor_scale_tensor`` (newer than TE 2
 megatron-core 0.16.1 accepts). Every optimizer step therefore waits for the whole backward on the host,
 then issues clipping, Adam and the parameter copies while the GPU sits idle, then the next forward's first
 kernels. In a LoRA step the optimizer's kernels take 0.12 ms and that wait 1.3-1.6 ms of a 71 ms step
-(Qwen3-8B shape on an H200, bench/results/2026-11-23-h200-s16).
+(Qwen3-8B shape on an H200).
 
 The fix is 0.19's own device path, backported: the norm is a CUDA tensor and the gradients are multiplied
 by ``min(1, max_norm / (norm + 1e-6))`` on the GPU. That multiply reads and writes every gradient even when

@@ -123,7 +123,7 @@ def test_flops_moe_by_hand():
 
 
 def test_flops_real_shape_matches_known_mfu():
-    # The H100 measurement in the issue: Qwen3-1.7B, seq 4096, 32.1k tok/s full fwd+bwd was 38% MFU.
+    # A reference H100 measurement: Qwen3-1.7B, seq 4096, 32.1k tok/s full fwd+bwd was 38% MFU.
     from bench.shapes import hf_config
 
     cfg = hf_config("qwen3-1.7b")

@@ -1,6 +1,6 @@
 """bench/telemetry.py: nvidia-smi's readings per timed step (parsing, step windows, the sampler process,
 the report's table). The sampler runs a stand-in ``nvidia-smi`` script here; the device runs the real one
-(bench/results/2026-11-24-h200-s18)."""
+(bench/results/2026-11-24-h200)."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_report_tables_the_clocks_and_names_what_was_not_sampled():
         "status": "ok",
         "shape": "qwen3-8b",
         "variant": "twinkle_lora",
-        "tag": "s18",
+        "tag": "graphs",
         "gpu_telemetry": {
             "available": True,
             "steps_with_samples": 2,
@@ -133,7 +133,7 @@ def test_report_tables_the_clocks_and_names_what_was_not_sampled():
     lines = telemetry_lines([sampled, older, unsampled, {"status": "error"}])
     row = next(line for line in lines if line.startswith("| qwen3-8b"))
     assert row == (
-        "| qwen3-8b | twinkle_lora [s18] | 2/3 | 1841 | 1702–1980 | 688 | 71 | gpu_idle 5%, sw_power_cap 88% |"
+        "| qwen3-8b | twinkle_lora [graphs] | 2/3 | 1841 | 1702–1980 | 688 | 71 | gpu_idle 5%, sw_power_cap 88% |"
     )
     assert next(line for line in lines if line.startswith("| qwen3-1.7b")).endswith("| 50 | sw_power_cap |")
     assert lines[-1] == "- not sampled: nvidia-smi not found on PATH"

@@ -2,8 +2,8 @@
 Python wrapper launches it with.
 
 The GPU tests run the kernels, but only on the device; the CPU tests run them under Triton's
-interpreter, which executes a kernel as Python and so accepts code the compiler refuses (session 16 met
-one: a constexpr branch returning a tensor on one side and a scalar on the other). Compiling (Triton's
+interpreter, which executes a kernel as Python and so accepts code the compiler refuses (for
+example a constexpr branch returning a tensor on one side and a scalar on the other). Compiling (Triton's
 frontend down to PTX, then ptxas, which ships in the triton wheel) needs no GPU. Each wrapper runs on CPU
 tensors with its launches recorded instead of made; each recorded launch is compiled with the
 compile-time arguments a CUDA launch has (``DOT_F32`` off: tensor-core ``tl.dot``).

@@ -276,8 +276,7 @@ def test_lora_cuda_graphs_match_eager(e2e, lora_eager_qwen3, impl):
     captured and replayed, and every iteration's loss matches (TE graphs: iterations 1-3 run eager,
     then the layers are captured and replayed; local: recorded in the first iteration, captured after
     its backward). Not here: ``--cuda-graph-scope full_iteration``, which stock pretrain_gpt.py of
-    core_v0.16.1 cannot capture (its get_batch copies a pageable CPU tensor inside the graph:
-    docs/evidence/gpu-2026-11-23-s14)."""
+    core_v0.16.1 cannot capture (its get_batch copies a pageable CPU tensor inside the graph)."""
     eager = lora_eager_qwen3
     graphs, _, log = pretrain(
         e2e["qwen3"],
@@ -325,7 +324,7 @@ def test_qwen3_moe_expert_parallel(e2e, lora):
     _check_first_loss(name, losses, e2e["qwen3_moe"], dump, dp=2)
 
 
-# -- combined layouts on four GPUs (issue 6, scaled from its 8-GPU layouts) ------------------------------
+# -- combined layouts on four GPUs (the 8-GPU layouts DP2xTP2xPP2 and EP4xTP2, scaled down) ---------------
 # Each layout trains 6 iterations, saving and exporting after 5, and is checked against: transformers at
 # iteration 1, the single-GPU run of the same batches at every iteration, its own data-parallel
 # replicas (identical trained shards), and the export (transformers/peft on iteration 6's batches
@@ -431,7 +430,7 @@ def train_and_check_layout(
     ids=["dp2-tp2-sp", "tp2-pp2-sp"],
 )
 def test_lora_qwen3_four_gpus(e2e, single_gpu, layout, dp):
-    """Qwen3 LoRA, distributed optimizer: DP2 x TP2 and TP2 x PP2 (the issue's DP2 x TP2 x PP2 on 8)."""
+    """Qwen3 LoRA, distributed optimizer: DP2 x TP2 and TP2 x PP2 (DP2 x TP2 x PP2 on 8 GPUs, scaled down)."""
     name = "lora-qwen3-" + ("dp2-tp2-sp" if dp == 2 else "tp2-pp2-sp")
     train_and_check_layout(e2e, single_gpu, name, "qwen3", LORA, layout, dp)
 
@@ -439,7 +438,7 @@ def test_lora_qwen3_four_gpus(e2e, single_gpu, layout, dp):
 @four_gpus()
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_qwen3_moe_ep2_tp2_four_gpus(e2e, single_gpu, lora):
-    """Qwen3-MoE, EP2 x TP2 with sequence parallel (the issue's EP4 x TP2 on 8): dense layers DP2 x TP2;
+    """Qwen3-MoE, EP2 x TP2 with sequence parallel (EP4 x TP2 on 8 GPUs, scaled down): dense layers DP2 x TP2;
     the experts EP2 x expert-TP2 (full) or EP2 x expert-TP1 x expert-DP2 (LoRA, whose routed-expert
     adapters need expert-TP 1)."""
     layout = (*TP2_SP, "--expert-model-parallel-size", "2")
@@ -450,7 +449,7 @@ def test_qwen3_moe_ep2_tp2_four_gpus(e2e, single_gpu, lora):
     train_and_check_layout(e2e, single_gpu, name, "qwen3_moe", flags, layout, dp=2)
 
 
-# -- the cluster scripts (issue 5) on two GPUs ----------------------------------------------------------
+# -- the cluster scripts (launch/slurm, launch/ray) on two GPUs -----------------------------------------
 # The GPU machine has no Slurm and no network to install it, so launch/slurm/train.sbatch runs there
 # under a one-node stand-in for `srun` (one process per task with SLURM_PROCID/LOCALID/NODEID/NTASKS,
 # as Slurm sets them) and `scontrol show hostnames`. Everything else is the script users submit:
@@ -554,7 +553,7 @@ def test_ray_script_trains_tp2_lora_on_two_gpus(e2e):
     _check_first_loss("ray-lora-tp2", losses, hf, dump)
 
 
-# -- without the launcher (issue 4): twinkle-specs convert -> plain pretrain_gpt.py -> twinkle-specs export ---
+# -- without the launcher: twinkle-specs convert -> plain pretrain_gpt.py -> twinkle-specs export ---
 def test_converted_checkpoint_trains_in_plain_pretrain_gpt_and_exports_back(e2e):
     """`twinkle-specs convert` at TP=2, then the unmodified pretrain_gpt.py with `twinkle-specs args` flags
     and `--load CKPT --finetune` (no twinkle_specs.launch) at TP=1 (torch_dist reshards) runs one fp32

@@ -210,9 +210,9 @@ def test_resume_from_adapter_only_checkpoint_continues_the_loss_curve(hf, single
 def test_lora_model_builds_the_fused_swiglu_mlp(hf, single_rank):  # noqa: F811
     """Every dense MLP of a LoRA model built from megatron-core's own layer spec is LoraMLP, with fc1's
     delta going into SwiGLU. megatron-core 0.16 specs the MLP as ``ModuleSpec(MLP)`` and 0.19 as
-    ``partial(MLP.as_mlp_submodule)``; on 0.19 the spec used to keep megatron's MLP, and the LoRA step
-    ran without the fused SwiGLU (8B shape on an H200: 72.5 against 69.9 ms,
-    bench/results/2026-11-24-h200-s18). CI runs 0.16; run this file with 0.19 on the path for the other."""
+    ``partial(MLP.as_mlp_submodule)``; a spec that missed the latter would keep megatron's MLP, and the
+    LoRA step would run without the fused SwiGLU (8B shape on an H200: 72.5 against 69.9 ms). CI runs
+    0.16; run this file with 0.19 on the path for the other."""
     from twinkle_specs.lora.mlp import LoraMLP
 
     model = ts.build_model(

@@ -4,7 +4,7 @@ megatron hands a grouped-GEMM expert linear its routed tokens sorted by expert p
 each local expert (``m_splits``, on the host). Transformer Engine's GroupedLinear runs that as one
 cuBLAS GEMM per expert, launched and planned from the host: with 128 experts that was ~4 ms of host
 time per call on an H100, 16 calls per step on the 4-layer Qwen3-30B-A3B shape, with the GPU idle
-86 % of the LoRA step (bench/results/2026-11-23-h100-s8/profile-moe.txt). A LoRA model's expert
+86 % of the LoRA step (a profile on an H100). A LoRA model's expert
 weights are frozen, so the base needs no weight gradient and can run as torch's grouped GEMM
 (``torch._grouped_mm``: one kernel over all experts, the token blocks' ends on the device) in both
 directions, as can the adapters. Where torch's grouped GEMM does not run (not CUDA sm90, not bf16,

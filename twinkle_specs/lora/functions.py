@@ -5,7 +5,7 @@ ops, each adapted linear would (1) save the A GEMM's input, which the frozen bas
 write the B GEMM's output and add it to the base output, and (3) write the adapter's input gradient
 ``dh @ A`` and add it to the base's. Each is a full-size activation of memory or of memory traffic per
 adapted linear (on the Qwen3-8B shape at 4096 tokens the sums of (3) alone took 1.8 ms of a 83 ms LoRA
-step on an H100, bench/results/2026-11-23-h100-s8). These functions avoid all three:
+step on an H100). These functions avoid all three:
 
 * :class:`LowRankDown`, the A GEMM, keeps a recipe for its input where it is given one (see
   :mod:`.recompute`) and, given a :class:`GradLink`, hands its input gradient to the base's; it applies

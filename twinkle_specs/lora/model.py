@@ -62,7 +62,7 @@ def bank_lora_factors(model) -> None:
     Why: megatron's optimizer step (grad copies, clipping, Adam's lists, main-to-model copies) and DDP's
     per-parameter hooks cost host time per parameter, and a LoRA step has almost no GPU work in its
     optimizer phase to hide it behind: with a parameter per linear that phase took 15 ms of a 115 ms
-    step on an H100 (bench/results/2026-11-22-h100-s7). Routed experts (expert-parallel, with their own
+    step on an H100. Routed experts (expert-parallel, with their own
     checkpoint offsets) keep their own parameters. Values are moved, not changed; idempotent.
     """
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -115,7 +115,7 @@ def swiglu_eager(pre: torch.Tensor) -> torch.Tensor:
 def on_2d(fn: Callable[[torch.Tensor], torch.Tensor], pre: torch.Tensor) -> torch.Tensor:
     """``fn`` of the [tokens, 2F] view of ``pre``, as megatron's ``bias_swiglu_impl`` calls its compiled
     SwiGLU: ``torch.compile`` specialises on the rank, and a 3-D call compiles a second, dynamic-shape
-    kernel (238 us against 95 per call on the Qwen3-8B shape, H100, bench/results/2026-11-23-h100-s8)."""
+    kernel (238 us against 95 per call on the Qwen3-8B shape, H100)."""
     return fn(pre.reshape(-1, pre.shape[-1])).view(*pre.shape[:-1], -1)
 
 

@@ -3,7 +3,7 @@
 With a frozen base, Transformer Engine saves no GEMM input (there is no weight gradient), so an A GEMM
 that saved its own input (the norm's output feeding QKV or fc1, the SwiGLU output feeding fc2) would
 keep a whole extra activation per linear: 2.25 GiB on the Qwen3-1.7B shape at 4096 tokens, a third of
-the frozen model's activations (bench/results/2026-11-22-h200-profile-before). The module producing
+the frozen model's activations (measured on an H200). The module producing
 that input keeps what it is computed from (the norm its input, SwiGLU its input), so the A GEMM
 (:class:`~twinkle_specs.lora.functions.LowRankDown`) keeps that tensor and the function that recomputes
 its input in backward (one norm or activation kernel). An :class:`InputRecipe` links the producer to
