@@ -2,7 +2,7 @@
 
 Why: a GPU at a power or thermal limit lowers its clock, and a step's time moves with it. On the H200
 the LoRA step (55 % MFU) ran 65 ms in its first timed step and 70-71 ms after, while the HF step
-(28 % MFU) stayed flat (bench/results/2026-11-23-h200-s17). With the clock recorded per step, a
+(28 % MFU) stayed flat. With the clock recorded per step, a
 result says whether a slower step was the code or the GPU.
 
 ``nvidia-smi`` samples in loop mode (every ``period_ms``) in a child process; each line is stamped with

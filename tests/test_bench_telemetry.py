@@ -1,6 +1,5 @@
 """bench/telemetry.py: nvidia-smi's readings per timed step (parsing, step windows, the sampler process,
-the report's table). The sampler runs a stand-in ``nvidia-smi`` script here; the device runs the real one
-(bench/results/2026-11-24-h200-s18)."""
+the report's table). The sampler runs a stand-in ``nvidia-smi`` script here; the device runs the real one."""
 
 from __future__ import annotations
 
@@ -144,7 +143,7 @@ def test_harness_times_without_a_sampler_on_cpu():
     """On CPU the timing loop starts no sampler and records no telemetry (nothing to sample)."""
     import torch
 
-    from bench.harness import time_steps
+    from bench.timing import time_steps
 
     timed = time_steps(lambda: torch.tensor(1.0), 1, 2)
     assert "gpu_telemetry" not in timed and len(timed["step_time_s"]["all"]) == 2
