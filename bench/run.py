@@ -21,7 +21,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+if sys.path and sys.path[0] and Path(sys.path[0]).resolve() == ROOT / "bench":
+    # run as a script: bench/ heads the path, where its modules (timing, memory, ...) would shadow any
+    # top-level module of the same name; the package is imported from the root instead
+    sys.path[0] = str(ROOT)
+elif str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import outputs, processes, report  # noqa: E402
