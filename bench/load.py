@@ -52,7 +52,7 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     import twinkle_specs as ts
-    from bench.harness import _drop_page_cache
+    from bench.load_timing import drop_page_cache
 
     on_gpu = torch.cuda.is_available()
     if on_gpu:
@@ -68,7 +68,7 @@ def main() -> None:
 
     dtype = torch.bfloat16 if qwen_arch_from_hf(args.hf).dtype == "bfloat16" else torch.float32
     model = ts.build_model(args.hf, load_weights=False, params_dtype=dtype, bf16=dtype == torch.bfloat16)
-    dropped = _drop_page_cache(sorted(args.hf.glob("*.safetensors"))) if dist.get_rank() == 0 else None
+    dropped = drop_page_cache(sorted(args.hf.glob("*.safetensors"))) if dist.get_rank() == 0 else None
     dist.barrier()
     t0 = time.perf_counter()
     report = ts.load_hf_weights(model, args.hf)

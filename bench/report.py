@@ -20,7 +20,7 @@ RATIOS = (
     ("c_over_a_peak_memory", "twinkle_lora", "mcore_te_full", "peak_memory_gib", None),
     ("d_over_f_tokens_per_s", "hf_peft_lora", "hf_full", "tokens_per_s_per_gpu", None),
 )
-# (c) memory <= 1.05 x (e) frozen base: what one forward keeps for backward (the activations target).
+# (c) memory <= 1.05 x (e) frozen base: what one forward keeps for backward (the activations).
 # Under CUDA graphs the activations live in the graphs' pool and are not measured: the target is then
 # listed as not measured, not judged on the peak (which also holds the adapters' optimizer state).
 LORA_MEMORY_TARGET = 1.05
@@ -203,6 +203,11 @@ def markdown(doc: dict[str, Any]) -> str:
         "- versions: " + ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items() if v is not None),
         f"- twinkle-specs commit(s): {', '.join(str(c) for c in commits)}"
         + (" (each row's after its label)" if len(commits) > 1 else ""),
+        *(
+            [f"- measured sources (sha256, bench/provenance.py): {env['source_sha256']}"]
+            if env.get("source_sha256")
+            else []
+        ),
         f"- peak FLOP/s used for MFU: {_fmt(doc.get('peak_flops_per_gpu'), '.1f', 1e-12)} TFLOP/s (dense bf16)",
         "- every step is a complete training iteration (forward, backward, optimizer step) unless the "
         "'step' column says otherwise; times are the median over the timed steps, spread is min–max",

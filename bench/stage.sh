@@ -11,9 +11,9 @@ pip download "matplotlib==3.10.9" --only-binary=:all: --implementation cp --pyth
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d "$dest" -q
 rm -f "$dest"/numpy-*.whl
-# the device machine's copy of the tree has no .git: record which commit is being benchmarked
-dirty=$(git status --porcelain -- twinkle_specs bench patches)
-echo "$(git rev-parse HEAD)${dirty:+ (modified)}" > "$dest/COMMIT"
+# the device machine's copy of the tree has no .git: record the commit and its sources' hash, which the
+# run checks against the tree it measures (bench/provenance.py)
+python3 bench/provenance.py > "$dest/COMMIT"
 grep -qE '^/?\.gpu/?$' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 du -sh "$dest"
 ls "$dest"

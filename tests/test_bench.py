@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import kernel_diff, report  # noqa: E402
+from bench.environment import code_provenance, cpu_list, parse_cpu_list  # noqa: E402
 from bench.flops import peak_flops, step_flops  # noqa: E402
-from bench.run import EXPORT_FILES, _cpu_list, _parse_cpu_list, git_commit, main  # noqa: E402
+from bench.outputs import EXPORT_FILES  # noqa: E402
+from bench.run import main  # noqa: E402
 from twinkle_specs.hf_config import QwenArch  # noqa: E402
 from twinkle_specs.lora import LoraConfig  # noqa: E402
 
@@ -123,7 +125,7 @@ def test_flops_moe_by_hand():
 
 
 def test_flops_real_shape_matches_known_mfu():
-    # A reference H100 measurement: Qwen3-1.7B, seq 4096, 32.1k tok/s full fwd+bwd was 38% MFU.
+    # A known H100 measurement: Qwen3-1.7B, seq 4096, 32.1k tok/s full fwd+bwd was 38% MFU.
     from bench.shapes import hf_config
 
     cfg = hf_config("qwen3-1.7b")
@@ -352,7 +354,7 @@ def test_interleaved_variants_train_as_they_would_alone(cpu_run, tmp_path):
 def test_interleaving_alternates_the_order_every_round():
     """One step of each variant per round, the order reversed every round (warm-up rounds too); each
     variant's results hold only its own steps and losses."""
-    from bench.harness import time_interleaved
+    from bench.timing import time_interleaved
 
     calls: list[str] = []
 
@@ -416,19 +418,123 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def test_commit_given_by_the_environment_wins_over_git(tmp_path, monkeypatch):
-    """The device machine's copy of the tree can carry a stale .git: the commit named in
-    $TWINKLE_BENCH_COMMIT is what the results record (and keep in <out>/COMMIT)."""
-    monkeypatch.delenv("TWINKLE_BENCH_COMMIT", raising=False)
-    from_git = git_commit(tmp_path / "a")
-    assert (
-        from_git
-        and from_git.split()[0]
-        == subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "HEAD"], text=True).strip()
+SOURCE_HASH_RECIPE = (
+    "find twinkle_specs patches bench -name '*.py' -not -path 'bench/results/*' | LC_ALL=C sort "
+    "| xargs sha256sum | sha256sum"
+)
+
+
+def _recipe_hash(root: Path) -> str:
+    """The documented shell recipe for the measured sources' hash (bench/provenance.py)."""
+    out = subprocess.run(
+        ["bash", "-c", SOURCE_HASH_RECIPE], cwd=root, capture_output=True, text=True, check=True
     )
+    return out.stdout.split()[0]
+
+
+def _git(root: Path, *args: str) -> str:
+    cmd = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_provenance_is_the_tree_that_ran_not_the_environment(tmp_path, monkeypatch):
+    """The commit comes from git and the source hash from the files; a COMMIT file (the device copy has
+    no .git) counts only where its hash is the tree's; $TWINKLE_BENCH_COMMIT is ignored."""
+    import shutil
+
+    from bench.provenance import commit_file_text, provenance, source_sha256_at
+
+    repo = tmp_path / "repo"
+    for rel, text in {
+        "twinkle_specs/a.py": "A = 1\n",
+        "twinkle_specs/sub/b.py": "B = 2\n",
+        "patches/p.py": "P = 3\n",
+        "bench/run.py": "R = 4\n",
+        "bench/results/old/x.py": "not measured\n",
+        "bench/README.md": "not measured\n",
+    }.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "sources")
+    head = _git(repo, "rev-parse", "HEAD")
     monkeypatch.setenv("TWINKLE_BENCH_COMMIT", "0123abc")
-    assert git_commit(tmp_path / "b") == "0123abc"
-    assert (tmp_path / "b" / "COMMIT").read_text().strip() == "0123abc"
+    clean = provenance(repo, [])
+    assert clean == {"git_commit": head, "source_sha256": _recipe_hash(repo)}
+    assert source_sha256_at(repo, head) == clean["source_sha256"]
+    # files outside the measured sources change nothing
+    (repo / "bench/results/old/x.py").write_text("changed\n")
+    (repo / "bench/README.md").write_text("changed\n")
+    assert provenance(repo, []) == clean
+    # a measured file edited (or added) after the commit: modified, and the hash says what ran
+    (repo / "bench/run.py").write_text("R = 5\n")
+    edited = provenance(repo, [])
+    assert edited == {"git_commit": f"{head} (modified)", "source_sha256": _recipe_hash(repo)}
+    assert edited["source_sha256"] != clean["source_sha256"]
+    # a copy without .git: the COMMIT file's commit holds only for the sources it was written for
+    copy = tmp_path / "copy"
+    shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git"))
+    staged = tmp_path / "COMMIT"
+    staged.write_text(commit_file_text(head, clean["source_sha256"]))
+    assert provenance(copy, [staged])["git_commit"] == f"{head} (modified)"
+    (copy / "bench/run.py").write_text("R = 4\n")
+    assert provenance(copy, [staged]) == clean
+    legacy = tmp_path / "LEGACY"
+    legacy.write_text(f"{head}\n")  # no hash: nothing to check it against
+    assert provenance(copy, [legacy]) == {"git_commit": None, "source_sha256": clean["source_sha256"]}
+    assert provenance(copy, [])["git_commit"] is None
+
+
+def test_results_record_this_checkouts_commit_and_sources(tmp_path):
+    """The run's provenance for this checkout: HEAD (modified or not), the documented hash of the files,
+    and both kept in <out>/COMMIT."""
+    found = code_provenance(tmp_path / "out")
+    assert found["git_commit"].split()[0] == _git(ROOT, "rev-parse", "HEAD")
+    assert found["source_sha256"] == _recipe_hash(ROOT)
+    saved = (tmp_path / "out" / "COMMIT").read_text().splitlines()
+    assert saved == [found["git_commit"], f"source_sha256 {found['source_sha256']}"]
+
+
+def test_a_new_variant_is_one_registry_entry(tmp_path, monkeypatch):
+    """A variant registered in bench.variants.VARIANTS (a build function and its entry, nothing else)
+    runs through the command line, timing, FLOP count and report like the built-in ones; one that says
+    it cannot run is recorded as skipped."""
+    from bench import variants
+    from bench.settings import Prepared
+
+    def build(hf_dir: Path, s) -> Prepared:
+        w = torch.nn.Parameter(torch.ones(4))
+        opt = torch.optim.SGD([w], lr=0.1)
+
+        def step():
+            loss = (w * w).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        facts = {"impl": "toy", "optimizer": "torch.optim.SGD", "step": "forward + backward + optimizer step"}
+        return Prepared(facts | {"total_params": 4, "trainable_params": 4}, step)
+
+    monkeypatch.setitem(variants.VARIANTS, "toy", variants.Variant("toy", "(t) a toy", "full", build))
+    monkeypatch.setitem(
+        variants.VARIANTS,
+        "toy_elsewhere",
+        variants.Variant("toy_elsewhere", "(u) not here", "full", build, unavailable=lambda: "needs a TPU"),
+    )
+    argv = ["--preset", "tiny", "--in-process", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]
+    assert main(argv + ["--variants", "toy,toy_elsewhere", "--no-load", "--load-layouts", ","]) == 0
+    toy, elsewhere = json.loads((tmp_path / "o" / "results.json").read_text())["results"]
+    assert toy["status"] == "ok", toy
+    _check_ok_result(toy)
+    assert toy["label"] == "(t) a toy" and toy["model_flops"]["mode"] == "full"
+    # SGD on sum(w^2), w = 1, lr 0.1: w shrinks by 0.8 per step, the loss by 0.64
+    assert toy["losses"] == pytest.approx([4.0, 2.56, 1.6384])
+    assert elsewhere["status"] == "skipped" and elsewhere["reason"] == "needs a TPU"
+    assert "| (t) a toy |" in (tmp_path / "o" / "results.md").read_text()
+    with pytest.raises(SystemExit):
+        main(argv + ["--variants", "no_such_variant"])
 
 
 def test_report_ratios_and_targets():
@@ -540,9 +646,9 @@ def test_report_pairs_interleaved_steps():
 
 def test_cpu_lists_round_trip():
     """The CPU-list format of sysfs (``local_cpulist``) and taskset, both ways."""
-    assert _parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
-    assert _cpu_list({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"
-    assert _cpu_list(_parse_cpu_list("5")) == "5"
+    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert cpu_list({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"
+    assert cpu_list(parse_cpu_list("5")) == "5"
 
 
 def _gpu_bench_small(tmp_path: Path, *extra: str) -> dict:
@@ -608,7 +714,7 @@ class _Stamp:
 
 def test_phase_clock_spans_run_from_each_phase_to_the_next():
     """Each phase ends where the next begins; the last ends at the step's end event."""
-    from bench.harness import PhaseClock
+    from bench.timing import PhaseClock
 
     steps = [
         [("forward", _Stamp(0)), ("backward", _Stamp(30)), ("optimizer", _Stamp(90))],
@@ -627,7 +733,7 @@ def test_timeline_gaps_split_idle_by_phase_and_length():
     at SHORT_GAP_US; overlapping kernels (two streams) leave no gap, CPU events are ignored."""
     from types import SimpleNamespace
 
-    from bench.harness import SHORT_GAP_US, timeline_gaps
+    from bench.profiling import SHORT_GAP_US, timeline_gaps
 
     def ev(name, start, end, device="DeviceType.CUDA"):
         return SimpleNamespace(
@@ -660,8 +766,8 @@ def test_parent_process_stays_light():
     """bench/run.py's own process imports no twinkle_specs/megatron/TE (so on the GPU machine it holds
     no CUDA context while the variants run in their child processes)."""
     code = (
-        "import sys; sys.path.insert(0, '.'); import bench.run, bench.harness, bench.flops, bench.report; "
-        "import bench.shapes, bench.load; "
+        "import sys; sys.path.insert(0, '.'); import bench.run, bench.variants, bench.task, bench.processes; "
+        "import bench.flops, bench.report, bench.shapes, bench.load, bench.outputs, bench.environment; "
         "print([m for m in sys.modules if m.startswith(('twinkle_specs', 'megatron', 'transformer_engine'))])"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)

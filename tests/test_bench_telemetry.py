@@ -1,6 +1,5 @@
 """bench/telemetry.py: nvidia-smi's readings per timed step (parsing, step windows, the sampler process,
-the report's table). The sampler runs a stand-in ``nvidia-smi`` script here; the device runs the real one
-(bench/results/2026-11-24-h200)."""
+the report's table). The sampler runs a stand-in ``nvidia-smi`` script here; the device runs the real one."""
 
 from __future__ import annotations
 
@@ -101,7 +100,7 @@ def test_report_tables_the_clocks_and_names_what_was_not_sampled():
         "status": "ok",
         "shape": "qwen3-8b",
         "variant": "twinkle_lora",
-        "tag": "graphs",
+        "tag": "s18",
         "gpu_telemetry": {
             "available": True,
             "steps_with_samples": 2,
@@ -133,7 +132,7 @@ def test_report_tables_the_clocks_and_names_what_was_not_sampled():
     lines = telemetry_lines([sampled, older, unsampled, {"status": "error"}])
     row = next(line for line in lines if line.startswith("| qwen3-8b"))
     assert row == (
-        "| qwen3-8b | twinkle_lora [graphs] | 2/3 | 1841 | 1702–1980 | 688 | 71 | gpu_idle 5%, sw_power_cap 88% |"
+        "| qwen3-8b | twinkle_lora [s18] | 2/3 | 1841 | 1702–1980 | 688 | 71 | gpu_idle 5%, sw_power_cap 88% |"
     )
     assert next(line for line in lines if line.startswith("| qwen3-1.7b")).endswith("| 50 | sw_power_cap |")
     assert lines[-1] == "- not sampled: nvidia-smi not found on PATH"
@@ -144,7 +143,7 @@ def test_harness_times_without_a_sampler_on_cpu():
     """On CPU the timing loop starts no sampler and records no telemetry (nothing to sample)."""
     import torch
 
-    from bench.harness import time_steps
+    from bench.timing import time_steps
 
     timed = time_steps(lambda: torch.tensor(1.0), 1, 2)
     assert "gpu_telemetry" not in timed and len(timed["step_time_s"]["all"]) == 2

@@ -39,7 +39,7 @@ def _upstream(monkeypatch) -> None:
 
 
 def _lora_training(hf, clip_grad: float):
-    """A bf16 LoRA model under megatron DDP and the distributed optimizer (as bench/harness.py runs it);
+    """A bf16 LoRA model under megatron DDP and the distributed optimizer (as the benchmark runs it);
     returns ``step() -> (loss, grad_norm)``, the model and the optimizer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

@@ -1,0 +1,401 @@
+"""The Megatron-side variants: (a) megatron-core's own TE spec, (b)-(c) twinkle_specs full and LoRA,
+(e) twinkle_specs all frozen. Each is built fresh and seeded (its initial weights do not depend on what
+was built before it in this process) with megatron-core DDP and ``get_megatron_optimizer`` on a GPU; on
+CPU megatron's DDP cannot run (its buffers are CUDA tensors), so torch AdamW on the trainable parameters
+stands in, and the result says so. CUDA graphs (``Settings.cuda_graphs``) are captured here, before
+any timing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .device import device, on_gpu
+from .load_timing import time_load
+from .settings import Prepared, Settings, count_params, lora_config
+from .timing import CLOCK
+
+# (model, facts for the result) from (hf_dir, settings, TransformerConfig overrides)
+ModelFn = Callable[[Path, Settings, dict[str, Any]], tuple[Any, dict[str, Any]]]
+
+
+def init_megatron(s: Settings) -> None:
+    """World size 1: gloo on CPU, NCCL on a GPU; model-parallel RNG (cuda-graph safe when needed)."""
+    import socket
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if on_gpu():
+            torch.cuda.set_device(0)
+        # a fresh port of our own (an inherited MASTER_PORT may belong to another process)
+        dist.init_process_group(
+            "nccl" if on_gpu() else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    if on_gpu():
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        # CUDA graphs need TE's graph-safe RNG tracker (TE attention asserts it), local graphs also
+        # megatron's graphable RNG; TE graphs size their warm-up by megatron's micro-batch calculator.
+        graphs = s.cuda_graphs != "none"
+        model_parallel_cuda_manual_seed(
+            s.seed,
+            te_rng_tracker=graphs,
+            use_cudagraphable_rng=s.cuda_graphs in ("local", "full_iteration"),
+            force_reset_rng=graphs,
+        )
+        if s.cuda_graphs == "transformer_engine":
+            from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+            mbs = s.micro_batch_size
+            init_num_microbatches_calculator(0, None, mbs, mbs, 1)
+    torch.manual_seed(s.seed)
+
+
+def megatron_overrides(s: Settings, arch) -> dict[str, Any]:
+    dtype = s.torch_dtype()
+    o: dict[str, Any] = {"params_dtype": dtype, "bf16": dtype == torch.bfloat16}
+    if on_gpu():
+        if s.gpu_fusions:
+            # Megatron-LM's defaults (twinkle's config mapping leaves them off for portability).
+            o |= {"apply_rope_fusion": True, "bias_activation_fusion": True}
+        if s.ce_fusion:
+            o |= {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": s.ce_fusion_impl}
+        if arch.is_moe:
+            o |= {"moe_grouped_gemm": True}
+            if s.gpu_fusions:
+                # TE's fused token permutation, as NVIDIA's MoE recipes run (--moe-permute-fusion)
+                o |= {"moe_permute_fusion": True}
+        if s.cuda_graphs == "full_iteration":
+            if arch.is_moe:
+                raise ValueError(
+                    "--cuda-graphs full_iteration captures the whole forward and backward; dropless MoE "
+                    "routes a data-dependent number of tokens and cannot be captured (use "
+                    "transformer_engine: megatron's partial MoE graphs)"
+                )
+            # Megatron-LM: --cuda-graph-impl local --cuda-graph-scope full_iteration
+            o |= {
+                "cuda_graph_impl": "local",
+                "cuda_graph_scope": "full_iteration",
+                "use_te_rng_tracker": True,
+            }
+        elif s.cuda_graphs != "none":
+            o |= {"cuda_graph_impl": s.cuda_graphs, "use_te_rng_tracker": True}
+            if arch.is_moe:
+                # Dropless experts see a data-dependent token count and cannot be captured; megatron's
+                # partial MoE graphs take attention, router and dispatch preprocessing per layer.
+                o |= {"cuda_graph_scope": "attn,moe_router,moe_preprocess"}
+    return o | s.mcore_overrides
+
+
+def stock_te_model(hf_dir: Path, s: Settings, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(a): megatron-core's own get_gpt_layer_with_transformer_engine_spec, same config as (b)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from twinkle_specs.config_mapping import transformer_config_from_hf
+    from twinkle_specs.hf_config import qwen_arch_from_hf
+    from twinkle_specs.model import padded_vocab_size
+
+    arch = qwen_arch_from_hf(hf_dir)
+    config = transformer_config_from_hf(hf_dir, **overrides)
+    spec = get_gpt_layer_with_transformer_engine_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(arch.vocab_size, ps.get_tensor_model_parallel_world_size()),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rotary_base,
+    )
+    return model.cuda(torch.cuda.current_device()), {}
+
+
+def _require_grad_hook(_module, _inputs, output):
+    return output.requires_grad_(True) if not output.requires_grad else output
+
+
+def _optimizer(s: Settings, model, config):
+    """megatron-core DDP + distributed optimizer on a GPU; torch AdamW on CPU (see module doc)."""
+    if not on_gpu():
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01)
+
+        def finish():
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return model, finish, "torch.optim.AdamW (CPU stand-in: megatron-core DDP buffers need CUDA)"
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    # --opt-set use_distributed_optimizer=false selects megatron's Float16Optimizer (DDP must agree).
+    fields = {"use_distributed_optimizer": True, "clip_grad": 1.0} | s.optimizer_overrides
+    distributed = bool(fields["use_distributed_optimizer"])
+    # As Megatron-LM's get_model: DDP keeps each parameter's grad-accumulator node, which remembers the
+    # stream it was made on; made on the default stream, it makes a CUDA-graph capture of the backward
+    # fail ("operation would make the legacy stream depend on a capturing blocking stream").
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ddp = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed
+            ),
+            module=model,
+        )
+    torch.cuda.current_stream().wait_stream(side)
+    dtype = s.torch_dtype()
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=s.lr,
+            weight_decay=0.01,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            **fields,
+        ),
+        [ddp],
+    )
+
+    def finish():
+        ddp.finish_grad_sync()
+        opt.step()
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+
+    extra = "".join(
+        f", {k}={v}" for k, v in s.optimizer_overrides.items() if k != "use_distributed_optimizer"
+    )
+    kind = "distributed Adam" if distributed else "Float16Optimizer Adam"
+    return (
+        ddp,
+        finish,
+        f"megatron-core DistributedDataParallel + get_megatron_optimizer ({kind}{extra})",
+    )
+
+
+def twinkle_model(
+    hf_dir: Path,
+    s: Settings,
+    overrides: dict[str, Any],
+    *,
+    lora: bool = False,
+    frozen: bool = False,
+    timed_load: bool = False,
+) -> tuple[Any, dict[str, Any]]:
+    """(b), (c), (e): ``twinkle_specs.build_model``; ``lora``: adapters on all linear layers (the base
+    frozen); ``frozen``: every weight frozen (the embedding's output requires grad, so the backward still
+    runs through every layer); ``timed_load``: with ``s.load``, the HF load timed (:func:`time_load`)."""
+    import twinkle_specs as ts
+
+    facts: dict[str, Any] = {}
+    model = ts.build_model(hf_dir, load_weights=False, lora=lora_config(s) if lora else None, **overrides)
+    if timed_load and s.load:
+        if any(hf_dir.glob("*.safetensors")):
+            facts["load"] = time_load(model, hf_dir)
+        else:
+            facts["load_note"] = f"no safetensors checkpoint in {hf_dir}: load not measured"
+    if frozen:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.embedding.register_forward_hook(_require_grad_hook)
+    return model, facts
+
+
+def prepare(hf_dir: Path, s: Settings, make_model: ModelFn, trains: bool = True) -> Prepared:
+    """Builds one Megatron variant from ``make_model`` with its optimizer (none unless ``trains``) and
+    data, CUDA graphs captured if asked."""
+    from twinkle_specs.hf_config import qwen_arch_from_hf
+
+    init_megatron(s)
+    arch = qwen_arch_from_hf(hf_dir)
+    model, result = make_model(hf_dir, s, megatron_overrides(s, arch))
+    config = model.config
+    result["impl"] = config.transformer_impl
+    import twinkle_specs
+
+    # in this process, so for (a) too: upstream fixes that every variant shares (patches/README.md)
+    result["twinkle_patches"] = [p.rpartition(".")[2] for p in twinkle_specs.patches.apply_all()]
+    result["total_params"], result["trainable_params"] = count_params(model)
+    result["config"] = {
+        k: getattr(config, k, None)
+        for k in (
+            "cross_entropy_loss_fusion",
+            "cross_entropy_fusion_impl",
+            "apply_rope_fusion",
+            "bias_activation_fusion",
+            "moe_grouped_gemm",
+            "moe_token_dispatcher_type",
+            "moe_permute_fusion",
+            "cuda_graph_impl",
+            "cuda_graph_scope",
+        )
+    }
+    if result["config"]["cuda_graph_scope"] is not None:  # CudaGraphScope members
+        result["config"]["cuda_graph_scope"] = [
+            getattr(v, "name", v) for v in result["config"]["cuda_graph_scope"]
+        ]
+    if trains:
+        wrapped, finish, result["optimizer"] = _optimizer(s, model, config)
+    else:
+        wrapped, finish, result["optimizer"] = model, (lambda: None), "none (nothing trainable)"
+    model.train()
+    graphs_note = (
+        "not measured: CUDA graphs keep activations in their static pool" if s.cuda_graphs != "none" else None
+    )
+
+    dev = device()
+    gen = torch.Generator().manual_seed(s.seed)
+    shape = (s.micro_batch_size, s.seq_len + 1)
+    data = torch.randint(0, arch.vocab_size, shape, generator=gen).to(dev)
+    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    position_ids = torch.arange(s.seq_len, device=dev).expand_as(tokens).contiguous()
+
+    te_graphs = None
+    if on_gpu() and s.cuda_graphs == "transformer_engine":
+        from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+        if not hasattr(wrapped, "zero_grad_buffer"):  # (e) has no DDP: nothing for the helper to clear
+            wrapped.zero_grad_buffer = lambda: None
+        te_graphs = TECudaGraphHelper(
+            model=[wrapped],
+            config=config,
+            seq_length=s.seq_len,
+            micro_batch_size=s.micro_batch_size,
+            optimizers=[],
+        )
+    local_graphs = on_gpu() and s.cuda_graphs == "local"
+    if on_gpu() and s.cuda_graphs == "full_iteration":
+        step = _full_iteration_step(wrapped, finish, config, tokens, labels, position_ids, s)
+        result["step"] = "forward + backward (one CUDA graph) + optimizer step"
+        return Prepared(result, step, activation_note=graphs_note)
+
+    def forward():
+        with CLOCK.phase("forward"):
+            return wrapped(tokens, position_ids, None, labels=labels).float().mean()
+
+    def backward_and_update(loss):
+        with CLOCK.phase("backward"):
+            loss.backward()
+        if local_graphs:
+            from megatron.core.transformer.cuda_graphs import create_cudagraphs
+
+            create_cudagraphs()
+        with CLOCK.phase("optimizer"):
+            finish()
+        return loss.detach()
+
+    def step():
+        return backward_and_update(forward())
+
+    if te_graphs is not None:
+        for _ in range(max(s.warmup, config.cuda_graph_warmup_steps)):
+            step()
+        # No cuda_graph_set_manual_hooks(): as in Megatron-LM's train(), those are DDP's param-gather
+        # pre-hooks, which exist only with overlap_param_gather (DDP asserts so when one is called).
+        te_graphs.create_cudagraphs()
+    result["step"] = "forward + backward" + (" + optimizer step" if trains else "")
+    return Prepared(result, step, forward, backward_and_update, graphs_note)
+
+
+def _full_iteration_step(wrapped, finish, config, tokens, labels, position_ids, s: Settings):
+    """A training step as Megatron-LM's train_step runs it under ``--cuda-graph-impl local
+    --cuda-graph-scope full_iteration``: megatron's forward-backward schedule wrapped in its
+    ``FullCudaGraphWrapper`` (eager for ``cuda_graph_warmup_steps`` iterations, then the whole forward
+    and backward captured as one graph and replayed; the batch copied into static buffers each step),
+    then the optimizer step outside the graph. Warmed up and captured here, before any timing."""
+    import itertools
+
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batch = {"tokens": tokens, "labels": labels, "position_ids": position_ids}
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+
+        def loss_func(output):
+            loss = output.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        return out, loss_func
+
+    forward_backward = FullCudaGraphWrapper(
+        get_forward_backward_func(), cuda_graph_warmup_steps=config.cuda_graph_warmup_steps
+    )
+
+    def step():
+        with CLOCK.phase("forward_backward"):
+            losses = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=itertools.repeat(batch),
+                model=[wrapped],
+                num_microbatches=1,
+                seq_length=s.seq_len,
+                micro_batch_size=s.micro_batch_size,
+                forward_only=False,
+            )
+            loss = losses[0]["loss"].clone()  # the graph's output buffer is rewritten by the next replay
+        with CLOCK.phase("optimizer"):
+            finish()
+        return loss
+
+    for _ in range(config.cuda_graph_warmup_steps + 1):  # the last one captures
+        step()
+    return step
+
+
+def stock_te_unavailable() -> str | None:
+    """Why (a) cannot run here: it needs CUDA and Transformer Engine."""
+    if not on_gpu():
+        return (
+            "needs a CUDA GPU with Transformer Engine (get_gpt_layer_with_transformer_engine_spec); "
+            "megatron-core's local spec is no CPU substitute either (its DotProductAttention needs CUDA)"
+        )
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return "Transformer Engine is not installed"
+    return None
+
+
+def stock_te_full(hf_dir: Path, s: Settings) -> Prepared:
+    return prepare(hf_dir, s, stock_te_model)
+
+
+def twinkle_full(hf_dir: Path, s: Settings) -> Prepared:
+    return prepare(hf_dir, s, functools.partial(twinkle_model, timed_load=True))
+
+
+def twinkle_lora(hf_dir: Path, s: Settings) -> Prepared:
+    return prepare(hf_dir, s, functools.partial(twinkle_model, lora=True))
+
+
+def twinkle_frozen(hf_dir: Path, s: Settings) -> Prepared:
+    return prepare(hf_dir, s, functools.partial(twinkle_model, frozen=True), trains=False)

@@ -1,0 +1,68 @@
+"""What every variant shares: the run's knobs (:class:`Settings`) and what a build function hands the
+measurer (:class:`Prepared`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Settings:
+    """Knobs of one run (the same for every variant of it)."""
+
+    seq_len: int = 4096
+    micro_batch_size: int = 1
+    warmup: int = 3
+    steps: int = 10
+    dtype: str = "bf16"  # bf16 | fp32
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lr: float = 1e-5
+    ce_fusion: bool = True  # megatron cross_entropy_loss_fusion (GPU)
+    ce_fusion_impl: str = "te"  # te | native
+    cuda_graphs: str = "none"  # none | local | transformer_engine | full_iteration
+    gpu_fusions: bool = True  # rope / swiglu fusions on the Megatron side (GPU)
+    mcore_overrides: dict[str, Any] = field(default_factory=dict)
+    optimizer_overrides: dict[str, Any] = field(default_factory=dict)  # megatron OptimizerConfig fields
+    load: bool = True  # time HF -> Megatron loading in twinkle_full (needs the safetensors checkpoint)
+    profile: bool = False
+    profile_steps: int = 2
+    profile_trace: bool = False
+    telemetry: bool = True  # GPU clocks/power per timed step (bench/telemetry.py)
+    seed: int = 1234
+
+    def torch_dtype(self) -> torch.dtype:
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
+
+
+def lora_config(s: Settings):
+    """The adapters every LoRA variant trains: rank ``s.lora_r`` on all linear layers."""
+    from twinkle_specs.lora import LoraConfig
+
+    return LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, target_modules="all-linear")
+
+
+def count_params(model) -> tuple[int, int]:
+    """All parameters and the trainable ones."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+@dataclass
+class Prepared:
+    """A built variant, ready to time: its training step and what it says of itself.
+
+    ``step()`` runs one complete training iteration and returns the loss. ``forward()`` and
+    ``backward_and_update(loss)`` are its two halves, for the activation measurement
+    (:func:`bench.memory.activation_memory`); ``activation_note`` set means that measurement cannot be
+    taken (it is recorded instead)."""
+
+    result: dict[str, Any]
+    step: Callable[[], Any]
+    forward: Callable[[], Any] | None = None
+    backward_and_update: Callable[[Any], Any] | None = None
+    activation_note: str | None = None
