@@ -6,7 +6,7 @@ write of that whole tensor) just before SwiGLU reads it again, and in backward S
 B gradient, fc2's recomputed input, fc2's A gradient and fc2's input-gradient sum each pass over an
 FFN-size tensor. Where megatron runs its fused SwiGLU (``bias_activation_fusion``, plain SwiGLU, no bias
 or per-token scale), :class:`LoraMLP` does all of that in :func:`~twinkle_specs.lora.swiglu.swiglu_lora`'s
-two kernels (bench/swiglu_lora.py times it). Anything else runs megatron's own forward.
+two kernels. Anything else runs megatron's own forward.
 
 :class:`LoraGroupedMLP`: the routed experts' fc2 adapter would save its input, the weighted SwiGLU
 output ([tokens × top-k, moe_ffn] per layer), which the frozen grouped base does not keep. megatron

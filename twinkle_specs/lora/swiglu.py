@@ -41,7 +41,7 @@ except ImportError:  # the torch path serves CPU tensors and machines without Tr
     triton = None
 
 # Fixed launch configurations (autotuning would have to finish before CUDA-graph capture), swept on an
-# H100 at the Qwen3-8B shape (bench/swiglu_lora.py): forward (token block, F block, warps); backward
+# H100 at the Qwen3-8B shape: forward (token block, F block, warps); backward
 # (token block, F block, warps, pipeline stages, programs per SM that the token chunks aim for).
 FWD_BLOCKS = (16, 128, 4)
 BWD_BLOCKS = (32, 64, 4, 3, 2)
