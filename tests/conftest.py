@@ -46,6 +46,32 @@ def lora_checkpoints(tmp_path_factory):
     return _built_once(tmp_path_factory.mktemp("hf-lora"), make_lora_checkpoint)
 
 
+def megatron_training_root() -> str | None:
+    """Where ``megatron.training`` (Megatron-LM's parser, checkpointing, config-from-args) can be imported
+    from: ``$MEGATRON_LM_ROOT`` (a stock checkout), else the site-packages of an installed megatron-core
+    whose wheel ships it (0.19.x on Python 3.12, the second CI leg). None when neither has it."""
+    root = os.environ.get("MEGATRON_LM_ROOT")
+    if root:
+        return root
+    import importlib.util
+
+    spec = importlib.util.find_spec("megatron.training")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return str(Path(next(iter(spec.submodule_search_locations))).parent.parent)
+
+
+def megatron_training_version(root: str) -> tuple[int, int, int]:
+    """megatron-core's release under ``root`` (``megatron/core/package_info.py``), e.g. (0, 19, 2)."""
+    import re
+
+    text = (Path(root) / "megatron" / "core" / "package_info.py").read_text()
+    major, minor, patch = (
+        int(re.search(rf"^{k} = (\d+)", text, re.M).group(1)) for k in ("MAJOR", "MINOR", "PATCH")
+    )
+    return major, minor, patch
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

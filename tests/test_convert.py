@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import megatron_training_root
 from gpu_checks import FP32_MAX_ABS, FP32_MOE_MAX_ABS
 from models import batch, hf_logits, make_checkpoint
 from safetensors.torch import load_file
@@ -222,10 +223,14 @@ def test_export_errors_name_the_problem(qwen3_ckpt, checkpoints, tmp_path, megat
 
 # --------------------------------------------------------------------------- real Megatron-LM loading
 
-ROOT = os.environ.get("MEGATRON_LM_ROOT")
+ROOT = megatron_training_root()
 
 
-@pytest.mark.skipif(not ROOT, reason="needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT")
+@pytest.mark.skipif(
+    not ROOT,
+    reason="needs megatron.training: megatron-core 0.19+ (the Python 3.12 CI leg) or a stock Megatron-LM "
+    "checkout in $MEGATRON_LM_ROOT",
+)
 @pytest.mark.parametrize("finetune", [True, False])
 def test_megatron_lm_load_checkpoint_reads_the_conversion(qwen3_ckpt, finetune):
     """Megatron-LM's own load_checkpoint (not ours) on the TP2xPP2 conversion, at TP1/PP1."""

@@ -1,5 +1,6 @@
-"""Against a stock Megatron-LM checkout: our flags parse with its own parser, and pretrain_gpt.py
-trains with ``--spec twinkle_specs qwen_layer_spec``. Needs $MEGATRON_LM_ROOT (never vendored here)."""
+"""Against stock Megatron-LM: our flags parse with its own parser (megatron.training, from megatron-core
+0.19's wheel or a checkout), and pretrain_gpt.py trains with ``--spec twinkle_specs qwen_layer_spec``
+(needs a checkout in $MEGATRON_LM_ROOT, never vendored here, and a GPU)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import torchrun
+from conftest import megatron_training_root, torchrun
 
 import twinkle_specs as ts
 
 ROOT = os.environ.get("MEGATRON_LM_ROOT")
-pytestmark = pytest.mark.skipif(
-    not ROOT, reason="needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT (run on the GPU machine)"
+TRAINING = megatron_training_root()
+
+
+@pytest.mark.skipif(
+    not TRAINING,
+    reason="needs megatron.training: megatron-core 0.19+ (its wheel ships it; the Python 3.12 CI leg) "
+    "or a stock Megatron-LM checkout in $MEGATRON_LM_ROOT",
 )
-
-
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_flags_parse_with_megatron_lm_parser(kind, checkpoints):
     flags = ts.megatron_args_from_hf(checkpoints(kind))
@@ -39,12 +43,17 @@ def test_flags_parse_with_megatron_lm_parser(kind, checkpoints):
         "--vocab-size",
         "256",
     ]
-    proc = subprocess.run([sys.executable, "-c", code, ROOT, *flags, *common], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, TRAINING, *flags, *common], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "PARSED 4" in proc.stdout and "qwen_layer_spec" in proc.stdout
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(
+    not ROOT, reason="needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT (its pretrain_gpt.py)"
+)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine")
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
 def test_stock_pretrain_gpt_trains_with_the_spec(kind, checkpoints, tmp_path):

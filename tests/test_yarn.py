@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cpu_reference, free_port
+from conftest import cpu_reference, free_port, megatron_training_root, megatron_training_version
 from models import CONFIGS, YARN_SEQ, batch, hf_logits, qwen_config
 
 import twinkle_specs as ts
@@ -24,7 +24,10 @@ pytestmark = cpu_reference
 
 
 TOL = 1e-4
-MEGATRON_LM_019 = os.environ.get("MEGATRON_LM_019_ROOT", "/tmp/mlm19")
+# megatron.training of core_v0.19+: $MEGATRON_LM_019_ROOT (a checkout), else $MEGATRON_LM_ROOT or the installed
+# megatron-core wheel when it is 0.19+ (the Python 3.12 CI leg).
+MEGATRON_LM_019 = os.environ.get("MEGATRON_LM_019_ROOT") or megatron_training_root()
+HAS_TRAINING_019 = bool(MEGATRON_LM_019) and megatron_training_version(MEGATRON_LM_019) >= (0, 19, 0)
 WORKER = Path(__file__).parent / "yarn_megatron_lm_worker.py"
 YARN_KINDS = sorted(k for k in CONFIGS if "yarn" in k)
 
@@ -184,8 +187,9 @@ def test_rope_fusion_is_refused_with_yarn(checkpoints):
 
 
 @pytest.mark.skipif(
-    not (Path(MEGATRON_LM_019) / "pretrain_gpt.py").is_file(),
-    reason=f"needs a stock Megatron-LM core_v0.19+ checkout at $MEGATRON_LM_019_ROOT ({MEGATRON_LM_019})",
+    not HAS_TRAINING_019,
+    reason="needs megatron.training of core_v0.19+: megatron-core 0.19's wheel (the Python 3.12 CI leg) or a "
+    "checkout in $MEGATRON_LM_019_ROOT",
 )
 @pytest.mark.parametrize("kind", ["qwen2_yarn", "qwen3_yarn_mscale"])
 def test_flags_through_megatron_lm_019_match_transformers(kind, checkpoints, tmp_path):
