@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             help=f"store weights as {flag} (default: config.json's dtype)",
         )
     p.add_argument(
-        "--force", action="store_true", help="replace release/ and the tracker in a non-empty --save"
+        "--force",
+        action="store_true",
+        help="replace a previous conversion in --save (once the new one is complete)",
     )
     p.set_defaults(func=_convert, precision=None)
 

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from .checkpoint import INDEX_NAME
 from .hf_config import QwenArch, qwen_arch_from_hf
+from .output_dir import staged_output
 from .parallel import bindings, model_chunks, tp_info
 from .weight_map import hf_tensor_shapes
 
@@ -33,6 +34,8 @@ _COPIED = (
     "added_tokens.json",
     "chat_template.jinja",
 )
+# What an earlier export into the same directory may hold: an overwrite replaces exactly these.
+HF_OUTPUTS = ("*.safetensors", INDEX_NAME, "config.json", *_COPIED)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -91,13 +94,28 @@ def save_hf_weights(
     hf_dir: str | Path | None = None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 2 * 2**30,
+    overwrite: bool = False,
 ) -> None:
     """Writes ``model`` (this rank's stage; call on every rank) as an HF checkpoint in ``out_dir``.
 
     ``hf_dir`` is the source checkpoint (config.json, tokenizer); by default the one the weights were
     loaded from. ``dtype`` defaults to the source config's dtype, so HF -> Megatron -> HF is bit-exact.
+    ``out_dir`` must be new or empty (``overwrite`` replaces an earlier export there) and apart from the
+    source; it appears complete or not at all (:mod:`twinkle_specs.output_dir`).
     """
     src = _source(model, hf_dir)
+    recorded = getattr(model_chunks(model)[0], "hf_source_dir", None)
+    with staged_output(
+        out_dir,
+        sources={"the source checkpoint": src, "the checkpoint the model was loaded from": recorded},
+        overwrite=overwrite,
+        replaceable=HF_OUTPUTS,
+    ) as staging:
+        _write_hf(model, staging, src, dtype, max_shard_bytes)
+
+
+def _write_hf(model, out: Path, src: Path, dtype: torch.dtype | None, max_shard_bytes: int) -> None:
+    """The streaming write of :func:`save_hf_weights` into an existing empty directory (rank 0's)."""
     arch = qwen_arch_from_hf(src)
     dtype = dtype or _DTYPES.get(arch.dtype or "", None) or next(model_chunks(model)[0].parameters()).dtype
     rank = dist.get_rank() if _distributed() else 0
@@ -137,9 +155,6 @@ def save_hf_weights(
     shard_of = {n: i for i, names in enumerate(shards) for n in names}
 
     # 3. Stream: owners send, rank 0 receives in plan order and writes each shard when complete.
-    out = Path(out_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
     owner_of = dict(order)
     produced = _owned_tensors(model, arch, dtype)
     pending: dict[str, torch.Tensor] = {}
@@ -192,5 +207,3 @@ def save_hf_weights(
         for extra in _COPIED:
             if (src / extra).is_file():
                 shutil.copy2(src / extra, out / extra)
-    if world > 1:
-        dist.barrier()

@@ -14,8 +14,9 @@ The script runs unmodified (``runpy``). Before it starts, this module
    construction (before Float16/DDP wrapping and the optimizer), and with LoRA the base is frozen and
    ``sharded_state_dict`` holds only the adapters, so ``--save``/``--load`` write and resume
    adapter-only checkpoints on top of the HF base;
-4. exports to ``--hf-export`` after training (a PEFT adapter, or full/merged HF weights), and at every
-   checkpoint save with ``--hf-export-on-save``.
+4. exports to ``--hf-export`` after training (a PEFT adapter, or full/merged HF weights), or with
+   ``--hf-export-on-save`` at every checkpoint save to ``--hf-export``/``iter_N``; the target is checked
+   before training starts (:mod:`twinkle_specs.output_dir`).
 """
 
 from __future__ import annotations
@@ -78,7 +79,16 @@ def add_twinkle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         action="store_true",
         help="with LoRA: export merged full weights instead of a PEFT adapter",
     )
-    g.add_argument("--hf-export-on-save", action="store_true", help="also export at every --save checkpoint")
+    g.add_argument(
+        "--hf-export-on-save",
+        action="store_true",
+        help="export every --save checkpoint to --hf-export/iter_N instead (the last one is the final model)",
+    )
+    g.add_argument(
+        "--hf-export-overwrite",
+        action="store_true",
+        help="replace an earlier export in a non-empty --hf-export",
+    )
     return parser
 
 
@@ -140,6 +150,7 @@ class Run:
     hf_dir: str
     lora: object | None = None
     models: list = field(default_factory=list)
+    last_export: Path | None = None  # the latest --hf-export-on-save export of this run
 
     @functools.cached_property
     def arch(self):
@@ -334,26 +345,70 @@ def _maybe_dump_trained(models) -> None:
     torch.save({"coords": coords, "params": params, "expert": expert}, Path(out) / f"rank{rank}.pt")
 
 
-def export(models, out_dir: str | Path, *, merged: bool = False) -> None:
+# Checkpoints an --hf-export directory must stay apart from (an overwrite replaces the directory).
+_EXPORT_SOURCES = ("--hf-model", "--load", "--save", "--pretrained-checkpoint")
+
+
+def _export_target(sources: dict[str, str | None], overwrite: bool, on_save_root: bool = False) -> dict:
+    """How :mod:`twinkle_specs.output_dir` treats an --hf-export target; the --hf-export-on-save root is
+    never replaced, only added to (a resumed run adds iter_N exports)."""
+    from .export import HF_OUTPUTS
+    from .lora.peft_io import PEFT_OUTPUTS
+
+    return dict(
+        sources=sources,
+        overwrite=overwrite or on_save_root,
+        flag="--hf-export",
+        force_hint="pass --hf-export-overwrite",
+        replaceable=("iter_*",) if on_save_root else HF_OUTPUTS + PEFT_OUTPUTS,
+        error=LaunchError,
+    )
+
+
+def _sources_from_args(margs) -> dict[str, str | None]:
+    return {f: getattr(margs, f[2:].replace("-", "_"), None) for f in _EXPORT_SOURCES}
+
+
+def check_hf_export(user: list[str]) -> None:
+    """Refuses, before training, an --hf-export target that the export would refuse at its end: one
+    overlapping a checkpoint of the run, or a non-empty directory without --hf-export-overwrite."""
+    from .output_dir import check_target
+
+    pre = add_twinkle_args(argparse.ArgumentParser(add_help=False)).parse_known_args(user)[0]
+    if not pre.hf_export:
+        return
+    flags = flag_values(user)
+    if pre.hf_export_on_save and not flags.get("--save"):
+        raise LaunchError("--hf-export-on-save exports every --save checkpoint: pass --save DIR, or drop it")
+    sources = {f: flags[f][-1] if flags.get(f) else None for f in _EXPORT_SOURCES}
+    check_target(pre.hf_export, **_export_target(sources, pre.hf_export_overwrite, pre.hf_export_on_save))
+
+
+def export(models, out_dir: str | Path, *, merged: bool = False, overwrite: bool = False) -> None:
     """Writes this run's model to ``out_dir``: a PEFT adapter for LoRA runs (merged HF weights with
-    ``merged``), full HF weights otherwise. Called on every rank."""
+    ``merged``), full HF weights otherwise. Called on every rank; ``out_dir`` appears complete or not at
+    all (:mod:`twinkle_specs.output_dir`)."""
+    from megatron.training import get_args
+
     from .export import save_hf_weights
+    from .output_dir import staged_output
 
-    if _RUN is not None and _RUN.lora is not None and not merged:
-        from .lora import export_peft_adapter
+    target = _export_target(_sources_from_args(get_args()), overwrite)
+    with staged_output(out_dir, **target) as staging:
+        if _RUN is not None and _RUN.lora is not None and not merged:
+            from .lora import export_peft_adapter
 
-        export_peft_adapter(models, out_dir, base_model_name_or_path=_RUN.hf_dir)
-        return
-    if _RUN is not None and _RUN.lora is not None:
-        from .lora import merge_lora, unmerge_lora
+            export_peft_adapter(models, staging, base_model_name_or_path=_RUN.hf_dir)
+        elif _RUN is not None and _RUN.lora is not None:
+            from .lora import merge_lora, unmerge_lora
 
-        merge_lora(models)
-        try:
-            save_hf_weights(models, out_dir, hf_dir=_RUN.hf_dir)
-        finally:
-            unmerge_lora(models)
-        return
-    save_hf_weights(models, out_dir, hf_dir=_RUN.hf_dir if _RUN else None)
+            merge_lora(models)
+            try:
+                save_hf_weights(models, staging, hf_dir=_RUN.hf_dir)
+            finally:
+                unmerge_lora(models)
+        else:
+            save_hf_weights(models, staging, hf_dir=_RUN.hf_dir if _RUN else None)
 
 
 def _wrap_pretrain(original):
@@ -366,8 +421,20 @@ def _wrap_pretrain(original):
             _maybe_dump_trained(_RUN.models)
         margs = get_args()
         if margs.hf_export and _RUN is not None and _RUN.models:
-            export(_RUN.models, margs.hf_export, merged=margs.hf_export_merged)
-            print(f"twinkle_specs: exported to {margs.hf_export}", flush=True)
+            if not margs.hf_export_on_save:
+                export(
+                    _RUN.models,
+                    margs.hf_export,
+                    merged=margs.hf_export_merged,
+                    overwrite=margs.hf_export_overwrite,
+                )
+                print(f"twinkle_specs: exported to {margs.hf_export}", flush=True)
+            elif _RUN.last_export is not None:  # Megatron saves the final state when --save is set
+                print(f"twinkle_specs: the final export is {_RUN.last_export}", flush=True)
+            else:
+                print(
+                    f"twinkle_specs: no checkpoint was saved in this run: nothing exported to {margs.hf_export}"
+                )
         return result
 
     return pretrain
@@ -381,9 +448,10 @@ def _wrap_save_checkpoint(original):
 
         margs = get_args()
         if margs.hf_export and margs.hf_export_on_save and _RUN is not None and _RUN.models:
-            export(
-                _RUN.models, Path(margs.hf_export) / f"iter_{iteration:07d}", merged=margs.hf_export_merged
-            )
+            # The checkpoint of this iteration was just (re)written: its export is replaced to match.
+            out = Path(margs.hf_export) / f"iter_{iteration:07d}"
+            export(_RUN.models, out, merged=margs.hf_export_merged, overwrite=True)
+            _RUN.last_export = out
         return result
 
     return save_checkpoint
@@ -427,6 +495,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         try:
             flags = merge_flags(pre.hf_model, user)
+            check_hf_export(user)
         except (LaunchError, ValueError, FileNotFoundError) as err:
             raise SystemExit(f"twinkle_specs.launch: error: {err}") from err
     script_dir = str(Path(script).resolve().parent)

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import torch
 
 from .config_mapping import flag_values, megatron_args_from_hf
 from .hf_config import qwen_arch_from_hf
+from .output_dir import check_target, staged_output
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -150,13 +150,15 @@ def _scalar(text: str) -> int | float | str:
 # ---------------------------------------------------------------------------------------------- convert
 
 
-def _check_empty(path: Path, flag: str, force: bool) -> None:
-    if path.exists() and not path.is_dir():
-        raise MegatronCheckpointError(f"{flag} {path}: exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not force:
+def _refuse_training_dir(save: Path) -> None:
+    """A tracker naming an iteration marks a training run's ``--save``: convert must never turn it into
+    ``release`` (a later ``--load`` would silently restart from the HF weights)."""
+    tracker = save / TRACKER
+    text = tracker.read_text().strip() if tracker.is_file() else RELEASE
+    if text != RELEASE:
         raise MegatronCheckpointError(
-            f"{flag} {path}: directory is not empty; choose a new directory or pass --force to replace "
-            "what twinkle-specs writes there"
+            f"--save {save}: is a training run's checkpoint directory ({TRACKER} names iteration {text!r}); "
+            "convert writes a release checkpoint: choose a new --save directory"
         )
 
 
@@ -185,15 +187,30 @@ def convert(
     precision = precision or _CONFIG_DTYPES.get(arch.dtype or "", "fp32")
     if precision not in _DTYPES:
         raise MegatronCheckpointError(f"precision {precision!r}: use --bf16, --fp16 or --fp32")
-    _check_empty(save, "--save", force)
-    if force:
-        (save / TRACKER).unlink(missing_ok=True)
-        shutil.rmtree(save / RELEASE, ignore_errors=True)
-    (save / RELEASE).mkdir(parents=True, exist_ok=True)
+    _refuse_training_dir(save)
+    # The previous conversion stays in place until the new one is complete (output_dir).
+    with staged_output(
+        save,
+        sources={"--hf-model": hf_dir},
+        overwrite=force,
+        flag="--save",
+        force_hint="pass --force",
+        replaceable=(TRACKER, RELEASE),
+        error=MegatronCheckpointError,
+    ) as staging:
+        (staging / RELEASE).mkdir()
+        _run_convert_ranks(hf_dir, staging / RELEASE, layout, precision, timeout)
+        (staging / TRACKER).write_text(RELEASE)
+    return save / RELEASE
 
+
+def _run_convert_ranks(
+    hf_dir: Path, release: Path, layout: Layout, precision: str, timeout: float | None
+) -> None:
+    """Spawns the ranks that write ``release``; raises naming the first failure."""
     job = {
         "hf": str(hf_dir.resolve()),
-        "save": str((save / RELEASE).resolve()),
+        "save": str(release),
         "layout": dataclasses.asdict(layout),
         "precision": precision,
         "args": vars(checkpoint_args(hf_dir, layout, precision)),
@@ -241,8 +258,6 @@ def convert(
                 f"convert: rank {failed[0]} exited with {procs[failed[0]].returncode}:\n"
                 f"{outputs[failed[0]][-4000:]}"
             )
-    (save / TRACKER).write_text(RELEASE)
-    return save / RELEASE
 
 
 # Modules that are Transformer Engine modules in the TE spec, by their name in the model. A TE module has an
@@ -465,13 +480,6 @@ def check_against_model(info: CheckpointInfo, wanted: dict, hf_dir: Path, adapte
         )
 
 
-def _clear_outputs(out: Path) -> None:
-    """What a previous export wrote (never anything else): safetensors shards, index, configs."""
-    for pattern in ("*.safetensors", "model.safetensors.index.json", "adapter_config.json", "config.json"):
-        for path in out.glob(pattern):
-            path.unlink()
-
-
 def export(
     load: str | Path,
     hf_model: str | Path,
@@ -491,14 +499,25 @@ def export(
     """
     from megatron.core import dist_checkpointing
 
-    from .export import save_hf_weights
+    from .export import HF_OUTPUTS, save_hf_weights
     from .lora import export_peft_adapter, merge_lora
     from .lora.checkpoint import adapters_only
+    from .lora.peft_io import PEFT_OUTPUTS
     from .model import build_model
     from .parallel import is_adapter_param
     from .parity import _init_single_process
 
     hf_model, out = Path(hf_model), Path(out)
+    # Refused before anything is read or written; checked again when the output is staged.
+    target = dict(
+        sources={"--hf-model": hf_model, "--load": load},
+        overwrite=force,
+        flag="--out",
+        force_hint="pass --force",
+        replaceable=HF_OUTPUTS + PEFT_OUTPUTS,
+        error=MegatronCheckpointError,
+    )
+    check_target(out, **target)
     if not (hf_model / "config.json").is_file():
         raise MegatronCheckpointError(f"--hf-model {hf_model}: no config.json (the HF base checkpoint dir)")
     info = resolve_checkpoint(load, iteration)
@@ -518,7 +537,6 @@ def export(
         raise MegatronCheckpointError(
             f"{info.dir}: is a LoRA checkpoint; export it with --peft (adapter) or --merged (full weights)"
         )
-    _check_empty(out, "--out", force)
     lora = lora_from_checkpoint(info, lora_overrides or {}) if is_lora else None
     ckpt_dtype = next(iter(info.tensors[k].dtype for k in sorted(keys)))
 
@@ -542,14 +560,13 @@ def export(
     else:
         model.load_state_dict(loaded, strict=True)
 
-    if force and out.is_dir():
-        _clear_outputs(out)
-    if mode == "peft":
-        export_peft_adapter(model, out, base_model_name_or_path=str(hf_model))
-    else:
-        if mode == "merged":
-            merge_lora(model)
-        save_hf_weights(model, out, hf_dir=hf_model, dtype=dtype)
+    with staged_output(out, **target) as staging:
+        if mode == "peft":
+            export_peft_adapter(model, staging, base_model_name_or_path=str(hf_model))
+        else:
+            if mode == "merged":
+                merge_lora(model)
+            save_hf_weights(model, staging, hf_dir=hf_model, dtype=dtype)
     return mode
 
 

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..hf_config import qwen_arch_from_hf
+from ..output_dir import staged_output
 from ..parallel import model_chunks
 from ..weight_map import bind
 from .config import LoraConfig, Sites, slot_path
@@ -34,6 +35,8 @@ from .model import lora_modules
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# What an earlier adapter export into the same directory may hold: an overwrite replaces exactly these.
+PEFT_OUTPUTS = (ADAPTER_WEIGHTS, ADAPTER_CONFIG, "README.md")
 PREFIX = "base_model.model."
 
 
@@ -194,29 +197,33 @@ def gather_peft_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] |
 
 
 def export_peft_adapter(
-    model, out_dir: str | Path, base_model_name_or_path: str | None = None
+    model, out_dir: str | Path, base_model_name_or_path: str | None = None, *, overwrite: bool = False
 ) -> Path | None:
     """Writes the adapters as a PEFT adapter directory that ``PeftModel.from_pretrained`` loads.
 
     Collective: every rank of the model's parallel layout must call it; global rank 0 writes and
-    returns the directory. The file holds the factors in the model's parameter dtype.
+    returns the directory. The file holds the factors in the model's parameter dtype. ``out_dir`` must be
+    new or empty (``overwrite`` replaces an earlier adapter there) and apart from the base checkpoint; it
+    appears complete or not at all (:mod:`twinkle_specs.output_dir`).
     """
     lora = _lora_config(model)
     sites = model_sites(model)
-    tensors = gather_peft_tensors(model)
-    out = Path(out_dir)
-    if tensors is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {k: v.contiguous() for k, v in sorted(tensors.items())}, out / ADAPTER_WEIGHTS, {"format": "pt"}
-        )
-        shared = bool(model_chunks(model)[0].config.moe_shared_expert_intermediate_size)
-        _peft_config(lora, sites, shared, base_model_name_or_path or _hf_source(model)).save_pretrained(
-            str(out)
-        )
-    if dist.is_initialized():
-        dist.barrier()
-    return out if tensors is not None else None
+    base = base_model_name_or_path or _hf_source(model)
+    sources = {
+        "the base checkpoint": base if Path(base).is_dir() else None,  # not a hub name
+        "the checkpoint the model was loaded from": _hf_source(model),
+    }
+    with staged_output(out_dir, sources=sources, overwrite=overwrite, replaceable=PEFT_OUTPUTS) as staging:
+        tensors = gather_peft_tensors(model)
+        if tensors is not None:
+            save_file(
+                {k: v.contiguous() for k, v in sorted(tensors.items())},
+                staging / ADAPTER_WEIGHTS,
+                {"format": "pt"},
+            )
+            shared = bool(model_chunks(model)[0].config.moe_shared_expert_intermediate_size)
+            _peft_config(lora, sites, shared, base).save_pretrained(str(staging))
+    return Path(out_dir) if tensors is not None else None
 
 
 def _peft_config(lora: LoraConfig, sites: Sites, shared_expert: bool, base: str):
