@@ -105,7 +105,9 @@ class CheckpointReader:
         try:
             return safe_open(str(path), framework="pt")
         except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{path} cannot be read as safetensors ({err}); is it truncated?") from err
+            raise CheckpointError(
+                f"{path} cannot be read as safetensors ({err}): the file is truncated or corrupted"
+            ) from err
 
     def _shard(self, path: Path):
         if path not in self._handles:
