@@ -133,3 +133,32 @@ def test_garbled_metadata_is_a_clear_error(converted, tmp_path, megatron_single)
     meta.write_bytes(pickle.dumps({"not": "metadata"}))
     with pytest.raises(MegatronCheckpointError, match=r"\.metadata: holds a dict, not a torch_dist Metadata"):
         export(ckpt, hf, tmp_path / "out")
+
+
+def test_adapter_checkpoint_loads_and_refuses_a_payload(converted, tmp_path, megatron_single):
+    import twinkle_specs as ts
+    from twinkle_specs.lora.checkpoint import load_adapter_checkpoint, save_adapter_checkpoint
+
+    hf, _ = converted
+    lora = ts.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    saved = ts.build_model(hf, lora=lora)
+    with torch.no_grad():
+        for p in saved.parameters():
+            if p.requires_grad:
+                p.normal_()
+    save_adapter_checkpoint(saved, tmp_path / "adapters")
+    loaded = ts.build_model(hf, lora=lora)
+    load_adapter_checkpoint(loaded, tmp_path / "adapters")
+    ours, theirs = dict(loaded.named_parameters()), dict(saved.named_parameters())
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+    marker = tmp_path / "pwned"
+    path = tmp_path / "adapters" / ".metadata"
+    with path.open("rb") as f:
+        metadata = pickle.load(f)
+    metadata.mcore_data = {"x": _Payload(marker)}
+    with path.open("wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing to unpickle (posix|os)\.system"):
+        load_adapter_checkpoint(loaded, tmp_path / "adapters")
+    assert not marker.exists()
