@@ -162,3 +162,30 @@ def test_adapter_checkpoint_loads_and_refuses_a_payload(converted, tmp_path, meg
     with pytest.raises(UnsafeCheckpointError, match=r"refusing to unpickle (posix|os)\.system"):
         load_adapter_checkpoint(loaded, tmp_path / "adapters")
     assert not marker.exists()
+
+
+def test_metadata_replaced_after_the_check_is_never_read(converted, tmp_path, megatron_single, monkeypatch):
+    """Megatron unpickles .metadata itself after the check: it must get the checked bytes, not a file
+    swapped for a payload in between."""
+    from twinkle_specs import safe_load
+
+    hf, _ = converted
+    ckpt, marker = _copy(converted, tmp_path), tmp_path / "pwned"
+    check, calls = safe_load._parse_metadata, []
+
+    def check_then_swap(data, path):
+        metadata = check(data, path)
+        calls.append(path)
+        if len(calls) < 2:  # the first check is export's look at the checkpoint, the second the load's
+            return metadata
+        with path.open("rb") as f:
+            swapped = pickle.load(f)
+        swapped.mcore_data = {"x": _Payload(marker)}
+        with path.open("wb") as f:
+            pickle.dump(swapped, f)
+        return metadata
+
+    monkeypatch.setattr(safe_load, "_parse_metadata", check_then_swap)
+    assert export(ckpt, hf, tmp_path / "out") == "full"
+    assert len(calls) == 2 and not marker.exists(), "a .metadata swapped after the check ran code"
+    assert _exported_equals_source(hf, tmp_path / "out")

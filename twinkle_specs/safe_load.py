@@ -5,15 +5,16 @@ unpickles ``.metadata`` with plain :mod:`pickle`, megatron's common strategy ``t
 ``common.pt`` (weights-only only by torch's default), and torch's load planner reads every requested
 ``ShardedObject`` (e.g. a layer's ``_extra_state``) with ``torch.load(weights_only=False)``. Any of them
 runs code from a crafted checkpoint. Here ``.metadata`` must pass an unpickler that resolves only the
-classes torch's distributed checkpoint writes before megatron reads it, ``common.pt`` is read with
-``weights_only=True`` explicitly, and ``ShardedObject``\\ s are never read: the model keeps its own value.
-"""
+classes torch's distributed checkpoint writes (and megatron then reads exactly the bytes checked),
+``common.pt`` is read with ``weights_only=True`` explicitly, and ``ShardedObject``\\ s are never read:
+the model keeps its own value."""
 
 from __future__ import annotations
 
 import functools
 import io
 import pickle
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +79,16 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_metadata(ckpt_dir: str | Path):
     """The ``torch.distributed.checkpoint.Metadata`` of ``ckpt_dir``, unpickled without running code; its
     storage entries must name plain files of ``ckpt_dir`` (no ``../`` or absolute paths)."""
+    path = Path(ckpt_dir) / METADATA_NAME
+    return _parse_metadata(path.read_bytes(), path)
+
+
+def _parse_metadata(data: bytes, path: Path):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata
 
-    path = Path(ckpt_dir) / METADATA_NAME
     try:
-        metadata = _MetadataUnpickler(path.read_bytes(), path).load()
+        metadata = _MetadataUnpickler(data, path).load()
     except UnsafeCheckpointError:
         raise
     except Exception as err:  # noqa: BLE001 - a truncated/garbled pickle raises anything
@@ -97,7 +102,7 @@ def read_metadata(ckpt_dir: str | Path):
         rel = getattr(info, "relative_path", None)
         if not isinstance(info, _StorageInfo) or not _is_plain_name(rel):
             raise UnsafeCheckpointError(
-                f"{path}: a storage entry points at {rel!r}, outside {ckpt_dir}; refusing to read it"
+                f"{path}: a storage entry points at {rel!r}, outside {path.parent}; refusing to read it"
             )
     return metadata
 
@@ -152,7 +157,17 @@ def load_dist_checkpoint(sharded: dict, ckpt_dir: str | Path) -> dict:
     checkpoint read unchecked (see the module docstring)."""
     from megatron.core import dist_checkpointing
 
-    read_metadata(ckpt_dir)  # refuses a crafted .metadata before torch unpickles it
-    return dist_checkpointing.load(
-        without_sharded_objects(sharded), str(ckpt_dir), common_strategy=_common_strategy()
-    )
+    ckpt_dir = Path(ckpt_dir)
+    data = (ckpt_dir / METADATA_NAME).read_bytes()
+    _parse_metadata(data, ckpt_dir / METADATA_NAME)
+    # torch unpickles .metadata again itself: it gets the bytes just checked, in a directory of links to
+    # the other files, so a .metadata replaced meanwhile is never read.
+    with tempfile.TemporaryDirectory(prefix="twinkle-checkpoint-") as tmp:
+        stage = Path(tmp)
+        (stage / METADATA_NAME).write_bytes(data)
+        for path in ckpt_dir.iterdir():
+            if path.name != METADATA_NAME:
+                (stage / path.name).symlink_to(path.absolute())
+        return dist_checkpointing.load(
+            without_sharded_objects(sharded), str(stage), common_strategy=_common_strategy()
+        )
