@@ -177,3 +177,11 @@ def test_malformed_index_names_the_index(sharded, tmp_path, text):
     (bad / INDEX_NAME).write_text(text)
     with pytest.raises(CheckpointError, match=rf"{bad / INDEX_NAME}"):
         CheckpointReader(bad)
+
+
+def test_single_file_beside_an_index_is_ambiguous(sharded, checkpoints, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(sharded, bad)
+    shutil.copy(checkpoints("qwen3") / SAFE, bad / SAFE)
+    with pytest.raises(CheckpointError, match=rf"holds both {SAFE} and {INDEX_NAME}.*remove the stale one"):
+        CheckpointReader(bad)

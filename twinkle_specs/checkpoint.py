@@ -37,6 +37,11 @@ class CheckpointReader:
         self._handles: dict[Path, object] = {}
         self.bytes_read = 0
         index = self.dir / INDEX_NAME
+        if index.is_file() and (self.dir / SINGLE_NAME).exists():
+            raise CheckpointError(
+                f"{self.dir} holds both {SINGLE_NAME} and {INDEX_NAME} (transformers would load the first, "
+                "an index-driven loader the shards): remove the stale one"
+            )
         if index.is_file():
             self.files = self._read_index(index)
         elif (self.dir / SINGLE_NAME).is_file():
