@@ -189,3 +189,22 @@ def test_metadata_replaced_after_the_check_is_never_read(converted, tmp_path, me
     assert export(ckpt, hf, tmp_path / "out") == "full"
     assert len(calls) == 2 and not marker.exists(), "a .metadata swapped after the check ran code"
     assert _exported_equals_source(hf, tmp_path / "out")
+
+
+def test_metadata_of_older_megatron_saves_is_read(converted, tmp_path):
+    """megatron-core 0.15 saved its own Metadata subclass; megatron keeps an empty stand-in for it."""
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreMetadata
+
+    ckpt = _copy(converted, tmp_path)
+    path = ckpt / RELEASE / ".metadata"
+    with path.open("rb") as f:
+        metadata = pickle.load(f)
+    old = MCoreMetadata()
+    old.__dict__.update(vars(metadata), mcore_data={"k": {"nd_reformulated_orig_global_shape": (2, 3)}})
+    with path.open("wb") as f:
+        pickle.dump(old, f)
+    read = read_metadata(ckpt / RELEASE)
+    assert (
+        isinstance(read, MCoreMetadata)
+        and read.state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
+    )

@@ -24,7 +24,8 @@ METADATA_NAME = ".metadata"
 COMMON_NAME = "common.pt"
 
 # What torch's distributed checkpoint pickles into ``.metadata`` (torch 2.13 under megatron-core 0.16.1:
-# found by unpickling conversions of a dense and a MoE model), plus every torch dtype.
+# found by unpickling conversions of a dense and a MoE model), plus every torch dtype and megatron's
+# stand-ins for its older classes.
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": (
         "Metadata",
@@ -40,6 +41,8 @@ _DCP_CLASSES = {
     "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
     "torch.serialization": ("_get_layout",),  # torch.strided and the other layouts, by name
     "torch": ("Size",),
+    # Empty stand-ins megatron keeps so that older saves (0.15's metadata, older save plans) unpickle.
+    "megatron.core.dist_checkpointing.strategies.torch": ("MCoreMetadata", "MCoreSavePlan"),
 }
 
 
@@ -84,6 +87,7 @@ def read_metadata(ckpt_dir: str | Path):
 
 
 def _parse_metadata(data: bytes, path: Path):
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreMetadata
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -96,7 +100,7 @@ def _parse_metadata(data: bytes, path: Path):
             f"{path}: not a torch_dist metadata file ({type(err).__name__}: {err})"
         ) from err
     storage = getattr(metadata, "storage_data", None)
-    if not isinstance(metadata, Metadata) or not isinstance(storage, dict):
+    if not isinstance(metadata, (Metadata, MCoreMetadata)) or not isinstance(storage, dict):
         raise UnsafeCheckpointError(f"{path}: holds a {type(metadata).__name__}, not a torch_dist Metadata")
     for info in storage.values():
         rel = getattr(info, "relative_path", None)
