@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -26,9 +27,12 @@ def _parity(ns: argparse.Namespace) -> int:
 
 
 def _convert(ns: argparse.Namespace) -> int:
+    from .checkpoint import NONFINITE_ENV
     from .megatron_checkpoint import Layout, convert
 
     layout = Layout(tp=ns.tp, pp=ns.pp, ep=ns.ep, etp=ns.etp)
+    if ns.allow_nonfinite_weights:
+        os.environ[NONFINITE_ENV] = "1"  # read by load_hf_weights in every spawned rank
     out = convert(ns.hf_model, ns.save, layout, precision=ns.precision, force=ns.force)
     print(
         f"wrote Megatron-LM torch_dist checkpoint {out} (TP={ns.tp} PP={ns.pp} EP={ns.ep} ETP={ns.etp}, "
@@ -93,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         "--force",
         action="store_true",
         help="replace a previous conversion in --save (once the new one is complete)",
+    )
+    p.add_argument(
+        "--allow-nonfinite-weights",
+        action="store_true",
+        help="convert weights that hold NaN/inf (by default an error naming the tensor)",
     )
     p.set_defaults(func=_convert, precision=None)
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, CheckpointReader
+from .checkpoint import NONFINITE_ENV, CheckpointError, CheckpointReader
 from .hf_config import qwen_arch_from_hf, read_config_json
 from .parallel import bindings, model_chunks, tp_info
 from .weight_map import hf_tensor_shapes
@@ -34,8 +35,12 @@ class LoadReport:
         )
 
 
+# Safetensors dtypes a weight may have (each is cast to the parameter's dtype, and reported).
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
 def check_checkpoint(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) -> None:
-    """Strictness: every expected tensor present with its shape, and no tensor left unused."""
+    """Strictness: every expected tensor present with its shape and a float dtype, no tensor unused."""
     keys = reader.keys()
     missing = sorted(set(expected) - keys)
     unused = sorted(keys - set(expected))
@@ -54,17 +59,26 @@ def check_checkpoint(reader: CheckpointReader, expected: dict[str, tuple[int, ..
             raise CheckpointError(
                 f"{reader.dir}: tensor {name!r} has shape {list(actual)}, config.json implies {list(shape)}"
             )
+        if (dtype := reader.dtype(name)) not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{reader.files[name]}: tensor {name!r} has dtype {dtype}; weights must be one of "
+                f"{', '.join(FLOAT_DTYPES)} (a quantized or corrupted checkpoint?)"
+            )
 
 
-def load_hf_weights(model, hf_dir: str | Path) -> LoadReport:
+def load_hf_weights(model, hf_dir: str | Path, *, allow_nonfinite: bool | None = None) -> LoadReport:
     """Loads ``hf_dir`` into this rank's ``model`` (a GPTModel stage, wrapper or VPP list).
 
     Reads only the slices this rank owns; every base parameter must be covered, and the checkpoint
-    must hold exactly the tensors its config.json implies. Values are cast to each parameter's dtype.
+    must hold exactly the tensors its config.json implies, each a float. Values are cast to each
+    parameter's dtype. A NaN/inf in a slice is an error unless ``allow_nonfinite`` (default: whether
+    ``$TWINKLE_ALLOW_NONFINITE_WEIGHTS`` is 1, the launcher's and ``convert``'s ranks' switch).
     """
+    if allow_nonfinite is None:
+        allow_nonfinite = os.environ.get(NONFINITE_ENV) == "1"
     arch = qwen_arch_from_hf(hf_dir)
     report = LoadReport()
-    with CheckpointReader(hf_dir) as reader:
+    with CheckpointReader(hf_dir, allow_nonfinite=allow_nonfinite) as reader:
         check_checkpoint(reader, hf_tensor_shapes(arch))
         report.checkpoint_bytes = reader.total_bytes()
         for binding, param in bindings(model, arch):

@@ -405,9 +405,16 @@ def resolve_checkpoint(load: str | Path, iteration: int | None = None) -> Checkp
                 else ""
             )
         )
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    from .safe_load import UnsafeCheckpointError, read_common, read_metadata
+
     try:
-        common = dist_checkpointing.load_common_state_dict(str(ckpt))
-        tensors = dist_checkpointing.load_tensors_metadata(str(ckpt))
+        metadata = read_metadata(ckpt)  # no code from the checkpoint runs: see safe_load
+        common = read_common(ckpt)
+        tensors = TorchDistLoadShardedStrategy().load_tensors_metadata(ckpt, metadata)
+    except UnsafeCheckpointError as err:
+        raise MegatronCheckpointError(str(err)) from err
     except Exception as err:  # noqa: BLE001 - any reader failure means the same thing to the user
         raise MegatronCheckpointError(f"{ckpt}: cannot read the checkpoint metadata ({err})") from err
     return CheckpointInfo(ckpt, iteration, common, dict(tensors))
@@ -497,8 +504,6 @@ def export(
     Runs in this process at TP=1/PP=1/EP=1 (``torch_dist`` reshards on load), so it needs the model's
     size in host memory. Adapter-only checkpoints take their base weights from ``hf_model``.
     """
-    from megatron.core import dist_checkpointing
-
     from .export import HF_OUTPUTS, save_hf_weights
     from .lora import export_peft_adapter, merge_lora
     from .lora.checkpoint import adapters_only
@@ -506,6 +511,7 @@ def export(
     from .model import build_model
     from .parallel import is_adapter_param
     from .parity import _init_single_process
+    from .safe_load import load_dist_checkpoint
 
     hf_model, out = Path(hf_model), Path(out)
     # Refused before anything is read or written; checked again when the output is staged.
@@ -551,7 +557,7 @@ def export(
     sharded = requested()
     # Megatron nests the model under "model" (VPP: "model0".. with the same tensor keys); the common
     # state (args, iteration, ...) comes back beside it.
-    loaded = dist_checkpointing.load({"model": sharded}, str(info.dir))["model"]
+    loaded = load_dist_checkpoint({"model": sharded}, info.dir)["model"]
     if is_adapter_only:
         params = dict(model.named_parameters())
         with torch.no_grad():

@@ -16,6 +16,7 @@ import torch
 from megatron.core import dist_checkpointing
 
 from ..parallel import is_adapter_param, model_chunks
+from ..safe_load import load_dist_checkpoint
 
 
 def adapters_only(state: dict) -> dict:
@@ -49,7 +50,7 @@ def save_adapter_checkpoint(model, ckpt_dir: str | Path) -> None:
 def load_adapter_checkpoint(model, ckpt_dir: str | Path) -> None:
     """Loads adapter shards saved by :func:`save_adapter_checkpoint` (any layout) into this rank's model."""
     chunks = model_chunks(model)
-    loaded = dist_checkpointing.load(adapter_sharded_state_dict(model), str(ckpt_dir))
+    loaded = load_dist_checkpoint(adapter_sharded_state_dict(model), ckpt_dir)
     for i, chunk in enumerate(chunks):
         prefix = f"model{i}." if len(chunks) > 1 else ""
         params = dict(chunk.named_parameters())
