@@ -100,13 +100,17 @@ def test_import_changes_nothing_and_apply_patches_changes_the_targets(tmp_path):
         missed = set(seen["targets"][name]) - set(seen["on_apply"])
         assert not missed, f"apply_patches() applied {name} but left {sorted(missed)} unchanged"
     expected = {t for name in seen["applied"] for t in seen["targets"][name]}
-    assert set(seen["on_apply"]) == expected, f"apply_patches() also changed {set(seen['on_apply']) - expected}"
+    assert set(seen["on_apply"]) == expected, (
+        f"apply_patches() also changed {set(seen['on_apply']) - expected}"
+    )
 
 
 def test_apply_patches_by_name_rejects_unknown_names():
     import twinkle_specs
 
-    with pytest.raises(ValueError, match=r"apply_patches names unknown patches \['rope'\]; known: rope_on_host"):
+    with pytest.raises(
+        ValueError, match=r"apply_patches names unknown patches \['rope'\]; known: rope_on_host"
+    ):
         twinkle_specs.apply_patches(["rope"])
 
 
