@@ -48,7 +48,7 @@ def test_launch_scripts_command_prints_and_copies_without_overwriting(tmp_path, 
     capsys.readouterr()
     assert cli(["launch-scripts", "--copy", str(out)]) == 2
     err = capsys.readouterr().err
-    assert f"{out / 'slurm' / 'train.sbatch'}" in err and "pass --force to overwrite" in err
+    assert f"{out / 'slurm' / 'train.sbatch'}" in err and "already there; pass --force to overwrite" in err
     assert (out / "slurm" / "train.sbatch").read_text() == "edited"
     assert cli(["launch-scripts", "--copy", str(out), "--force"]) == 0
     assert (out / "slurm" / "train.sbatch").read_bytes() == (ROOT / "launch/slurm/train.sbatch").read_bytes()

@@ -26,7 +26,7 @@ def _quiet_upstream_warnings() -> None:
 
 
 def _apply_patches() -> None:
-    """The host fixes to megatron-core that building and running a model on a CPU host needs."""
+    """twinkle-specs' fixes to megatron-core; on a CPU host, those that building and running a model needs."""
     from .patches import apply_all
 
     apply_all()
@@ -111,7 +111,7 @@ def _launch_scripts(ns: argparse.Namespace) -> int:
     out = Path(ns.copy)
     existing = [str(out / name) for name in scripts if (out / name).exists()]
     if existing and not ns.force:
-        raise FileExistsError(f"{', '.join(existing)} exist; pass --force to overwrite them")
+        raise FileExistsError(f"{', '.join(existing)}: already there; pass --force to overwrite")
     for name, path in scripts.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         print(shutil.copy2(path, out / name))
