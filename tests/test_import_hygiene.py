@@ -105,9 +105,20 @@ def test_import_changes_nothing_and_apply_patches_changes_the_targets(tmp_path):
     )
 
 
-def test_apply_patches_by_name_rejects_unknown_names():
+def test_apply_patches_by_name_applies_only_those_and_rejects_unknown_names(monkeypatch):
     import twinkle_specs
+    from twinkle_specs import patches
 
+    calls = []
+    monkeypatch.setattr(patches, "_applied", set())
+    for patch in patches.PATCHES:
+        monkeypatch.setattr(patch, "is_needed", lambda: True)
+        monkeypatch.setattr(patch, "apply", lambda p=patch: calls.append(patches.short_name(p)))
+    monkeypatch.setenv(patches.OFF_ENV, "router_on_host")
+    assert twinkle_specs.apply_patches(["rope_on_host", "router_on_host"]) == [
+        "twinkle_specs.patches.rope_on_host"
+    ]
+    assert calls == ["rope_on_host"]  # router_on_host named, but switched off
     with pytest.raises(
         ValueError, match=r"apply_patches names unknown patches \['rope'\]; known: rope_on_host"
     ):
