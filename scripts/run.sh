@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-python3 -m twinkle_specs.cli parity "$@"
+"${PYTHON:-python3}" -m twinkle_specs.cli parity "$@"

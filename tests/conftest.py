@@ -107,6 +107,16 @@ def run_dist(
     return proc
 
 
+@pytest.fixture(scope="session", autouse=True)
+def megatron_patches():
+    """twinkle-specs' fixes to megatron-core, applied as a user applies them (``twinkle_specs.apply_patches``;
+    importing the package applies none): many tests drive megatron-core modules on the CPU host directly,
+    without ``build_model``, which applies them itself."""
+    import twinkle_specs
+
+    twinkle_specs.apply_patches()
+
+
 @pytest.fixture
 def megatron_single():
     """megatron's parallel state at world size 1 (gloo on CPU, NCCL on a GPU) for in-process tests;

@@ -26,6 +26,9 @@ def main() -> None:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from test_lora_fused import S, _config, _portable, _rel, _run
 
+    import twinkle_specs
+
+    twinkle_specs.apply_patches()  # megatron's TP gathers allocate on CUDA without them
     dist.init_process_group("gloo")
     ps.initialize_model_parallel(2, 1)
     tp, rank = 2, ps.get_tensor_model_parallel_rank()

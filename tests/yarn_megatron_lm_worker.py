@@ -36,6 +36,7 @@ import twinkle_specs as ts  # noqa: E402
 from twinkle_specs.parity import _init_single_process  # noqa: E402
 from twinkle_specs.spec import qwen_layer_spec  # noqa: E402
 
+ts.apply_patches()  # YaRN and RoPE frequencies on a CPU host; build_model would apply them itself
 _init_single_process()
 model = GPTModel(  # as Megatron-LM's gpt_builders does
     config=config,

@@ -1,11 +1,36 @@
-"""The ``twinkle-specs`` command: Megatron flags for a checkpoint, parity check, HF <-> Megatron checkpoints."""
+"""The ``twinkle-specs`` command: Megatron flags for a checkpoint, parity check, HF <-> Megatron checkpoints,
+the launch scripts."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import shlex
+import shutil
 import sys
+import warnings
+from pathlib import Path
+
+# What megatron-core announces on a machine without Apex or Transformer Engine (any CPU host): the fallbacks
+# it names are the expected ones there, and a screen of them would bury the command's report. megatron-core
+# 0.16's own TransformerConfig default also warns on every config. Matched exactly; every other warning shows.
+KNOWN_UPSTREAM_WARNINGS = (
+    r"Transformer Engine and Apex are not installed\. Falling back to ",
+    r"Apex is not installed\. Falling back to Torch Norm",
+    r"full scope is deprecated\. Use empty cuda_graph_scope to capture the whole layer\.",
+)
+
+
+def _quiet_upstream_warnings() -> None:
+    for message in KNOWN_UPSTREAM_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning, module="megatron")
+
+
+def _apply_patches() -> None:
+    """twinkle-specs' fixes to megatron-core; on a CPU host, those that building and running a model needs."""
+    from .patches import apply_all
+
+    apply_all()
 
 
 def _args(ns: argparse.Namespace) -> int:
@@ -16,8 +41,12 @@ def _args(ns: argparse.Namespace) -> int:
 
 
 def _parity(ns: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
     from .parity import run_parity
 
+    hf_logging.disable_progress_bar()  # the report is the output
+    _apply_patches()
     report, hf_dir = run_parity(ns.hf_model, seq_len=ns.seq_length)
     print(f"checkpoint: {hf_dir}")
     print(f"megatron-core (qwen_layer_spec) vs transformers, fp32 logits: {report}")
@@ -30,6 +59,7 @@ def _convert(ns: argparse.Namespace) -> int:
     from .checkpoint import NONFINITE_ENV
     from .megatron_checkpoint import Layout, convert
 
+    _apply_patches()
     layout = Layout(tp=ns.tp, pp=ns.pp, ep=ns.ep, etp=ns.etp)
     if ns.allow_nonfinite_weights:
         os.environ[NONFINITE_ENV] = "1"  # read by load_hf_weights in every spawned rank
@@ -45,6 +75,7 @@ def _convert(ns: argparse.Namespace) -> int:
 def _export(ns: argparse.Namespace) -> int:
     from .megatron_checkpoint import export
 
+    _apply_patches()
     lora = {
         "lora_rank": ns.lora_rank,
         "lora_alpha": ns.lora_alpha,
@@ -58,6 +89,36 @@ def _export(ns: argparse.Namespace) -> int:
     )
     what = {"peft": "PEFT adapter", "merged": "merged HF weights", "full": "HF weights"}[done]
     print(f"wrote {what} to {ns.out}")
+    return 0
+
+
+def launch_scripts() -> dict[str, Path]:
+    """The launch scripts by path relative to their folder: ``twinkle_specs/launch_scripts/`` in an
+    install (pyproject maps the top-level ``launch/`` folder there), ``launch/`` in a source checkout."""
+    here = Path(__file__).resolve().parent
+    for folder in (here / "launch_scripts", here.parent / "launch"):
+        if folder.is_dir():
+            return {
+                str(f.relative_to(folder)): f
+                for f in sorted(folder.rglob("*"))
+                if f.is_file() and "__pycache__" not in f.parts
+            }
+    raise FileNotFoundError(f"no launch scripts in {here / 'launch_scripts'}: reinstall twinkle-specs")
+
+
+def _launch_scripts(ns: argparse.Namespace) -> int:
+    scripts = launch_scripts()
+    if ns.copy is None:
+        for name, path in scripts.items():
+            print(f"{name}\t{path}")
+        return 0
+    out = Path(ns.copy)
+    existing = [str(out / name) for name in scripts if (out / name).exists()]
+    if existing and not ns.force:
+        raise FileExistsError(f"{', '.join(existing)}: already there; pass --force to overwrite")
+    for name, path in scripts.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        print(shutil.copy2(path, out / name))
     return 0
 
 
@@ -121,10 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-rslora", action="store_true", help="if the checkpoint's args lack it")
     p.add_argument("--force", action="store_true", help="replace an earlier export in a non-empty --out")
     p.set_defaults(func=_export)
+
+    p = sub.add_parser(
+        "launch-scripts", help="print the installed Slurm and Ray launch scripts' paths, or copy them"
+    )
+    p.add_argument("--copy", metavar="DIR", default=None, help="copy them into DIR (keeping slurm/, ray/)")
+    p.add_argument("--force", action="store_true", help="with --copy: overwrite files already there")
+    p.set_defaults(func=_launch_scripts)
     ns = parser.parse_args(argv)
+    _quiet_upstream_warnings()
     try:
         return ns.func(ns)
-    except (ValueError, FileNotFoundError) as err:  # MegatronCheckpointError is a ValueError
+    except (ValueError, FileNotFoundError, FileExistsError) as err:  # MegatronCheckpointError is a ValueError
         print(f"twinkle-specs: error: {err}", file=sys.stderr)
         return 2
 

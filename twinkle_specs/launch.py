@@ -501,6 +501,9 @@ def main(argv: list[str] | None = None) -> None:
     script_dir = str(Path(script).resolve().parent)
     if script_dir not in sys.path:
         sys.path.insert(0, script_dir)  # the script imports its siblings (gpt_builders, model_provider)
+    from .patches import apply_all as apply_patches
+
+    apply_patches()
     install_hooks()
     sys.argv = [script, *flags]
     runpy.run_path(script, run_name="__main__")

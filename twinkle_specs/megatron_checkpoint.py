@@ -35,6 +35,7 @@ import torch
 from .config_mapping import flag_values, megatron_args_from_hf
 from .hf_config import qwen_arch_from_hf
 from .output_dir import check_target, staged_output
+from .te_extra_state import TEExtraState
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -268,17 +269,6 @@ TE_MODULE_NAMES = frozenset(
     {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "core_attention", "q_layernorm", "k_layernorm"}
 )
 _EXTRA_STATE_CLASSES: dict[type, type] = {}
-
-
-class TEExtraState:
-    """Mixin: a module's checkpoint holds TE's (empty, non-FP8) ``_extra_state``, as the TE module it
-    stands for does."""
-
-    def get_extra_state(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8)
-
-    def set_extra_state(self, state: Any) -> None:
-        """Nothing to restore."""
 
 
 def give_te_extra_state(model: torch.nn.Module) -> None:

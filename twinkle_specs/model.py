@@ -13,6 +13,7 @@ from .config_mapping import transformer_config_from_hf
 from .hf_config import qwen_arch_from_hf
 from .loading import load_hf_weights
 from .lora import LoraConfig, prepare_lora_model
+from .patches import apply_all as apply_patches
 from .spec import qwen_layer_spec
 
 
@@ -37,8 +38,10 @@ def build_model(
     Needs megatron's parallel state initialized. With ``parallel_output`` (Megatron's default, what
     vocab-parallel cross-entropy wants) logits stay split over TP ranks along the vocabulary. ``overrides`` go to the TransformerConfig
     (e.g. ``params_dtype=torch.float32``, ``sequence_parallel=True``, ``moe_grouped_gemm=True``).
-    With ``lora``, the spec wraps the targeted linears and every base parameter is frozen.
+    With ``lora``, the spec wraps the targeted linears and every base parameter is frozen. Applies
+    twinkle-specs' megatron-core patches first (``twinkle_specs.apply_patches``).
     """
+    apply_patches()
     if not ps.model_parallel_is_initialized():
         raise RuntimeError(
             "build_model needs megatron's parallel state: call torch.distributed.init_process_group and "

@@ -512,6 +512,6 @@ def test_dry_run_keeps_user_save_load_and_srun_mode(tmp_path: Path) -> None:
 
 def test_shellcheck_clean() -> None:
     if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed (optional; apt-get install shellcheck)")
+        pytest.skip("shellcheck is not installed (scripts/test.sh installs it: apt-get install shellcheck)")
     res = subprocess.run(["shellcheck", str(SBATCH_SCRIPT)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout

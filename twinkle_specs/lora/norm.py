@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..megatron_checkpoint import TEExtraState
+from ..te_extra_state import TEExtraState
 
 try:
     import triton
