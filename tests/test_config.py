@@ -284,3 +284,17 @@ def test_attention_bias_is_refused_by_name(kind, checkpoints, tmp_path):
     assert model.model.layers[0].self_attn.o_proj.bias is not None  # what would have to be reproduced
     with pytest.raises(UnsupportedConfigError, match=r"attention_bias=True .*o_proj"):
         ts.megatron_args_from_hf(bad)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "qwen3_yarn"])
+def test_every_setting_names_its_config_field(kind, checkpoints):
+    """The launcher's architecture check names, for each flag, the config.json field it comes from."""
+    from twinkle_specs.config_mapping import architecture_settings
+
+    settings = architecture_settings(checkpoints(kind))
+    assert all(s.source in FIELD_POLICY for s in settings), [
+        s for s in settings if s.source not in FIELD_POLICY
+    ]
+    flags = [f for s in settings for f in s.arch_flags]
+    assert len(flags) == len(set(flags)), sorted(f for f in flags if flags.count(f) > 1)
+    assert {"--rotary-interleaved", "--rotary-percent", "--apply-layernorm-1p", "--num-experts"} <= set(flags)

@@ -158,9 +158,9 @@ def architecture_conflicts(
             seen.add(action.dest)
             given, needed = getattr(args, action.dest, None), getattr(expected, action.dest)
             if given != needed:
+                field = f" (config.json field {setting.source})" if setting.source else ""
                 conflicts.append(
-                    f"{flag} gives {action.dest}={given!r} but {config} needs {action.dest}={needed!r} "
-                    f"(config.json field {setting.source})"
+                    f"{flag} gives {action.dest}={given!r} but {config} needs {action.dest}={needed!r}{field}"
                 )
     return conflicts
 
