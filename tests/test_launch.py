@@ -212,3 +212,130 @@ def test_fractional_rope_theta_reaches_the_model_exactly(tmp_path):
     truncated = 1.0 / int(theta) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     assert (ours - ref).abs().max() <= 1e-7 * ref.abs().max()
     assert (truncated - ref).abs().max() > 1e-6 * ref.abs().max()  # the check can tell the two apart
+
+
+def _parsers():
+    """Megatron's parser with the launcher's flags: the stand-in's, and stock Megatron-LM's where it is
+    importable (PYTHONPATH=$MEGATRON_LM_ROOT; its megatron/training is not in the megatron-core wheel)."""
+    import argparse
+    import importlib.util
+    import typing
+
+    from twinkle_specs.launch import add_twinkle_args
+
+    # By path, under its own name: the stand-in must not become this process's megatron.training.
+    spec = importlib.util.spec_from_file_location(
+        "standin_megatron_arguments", STANDIN / "megatron" / "training" / "arguments.py"
+    )
+    standin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standin)
+    parsers = {"standin": standin.add_megatron_arguments}
+    if os.environ.get("MEGATRON_LM_ROOT") and importlib.util.find_spec("megatron.training"):
+        if not hasattr(typing, "override"):  # Megatron-LM core_v0.19 imports it (Python 3.12)
+            import typing_extensions
+
+            typing.override = typing_extensions.override
+        from megatron.training.arguments import add_megatron_arguments
+
+        parsers["megatron-lm"] = add_megatron_arguments
+    return {
+        name: (lambda add=add: add_twinkle_args(add(argparse.ArgumentParser(allow_abbrev=False))))
+        for name, add in parsers.items()
+    }
+
+
+# (checkpoint, user flag(s), flag named, checkpoint value, config.json field)
+ARCH_CONFLICTS = [
+    (
+        "qwen2",
+        ["--untie-embeddings-and-output-weights"],
+        "--untie-embeddings-and-output-weights",
+        "False",
+        "tie_word_embeddings",
+    ),
+    ("qwen3", ["--rotary-interleaved"], "--rotary-interleaved", "False", "rope_parameters"),
+    ("qwen3", ["--rotary-percent", "0.5"], "--rotary-percent", "1.0", "rope_parameters"),
+    ("qwen3", ["--apply-layernorm-1p"], "--apply-layernorm-1p", "False", "architectures"),
+    ("qwen3", ["--num-experts", "4"], "--num-experts", "None", "architectures"),
+    ("qwen3", ["--add-qkv-bias"], "--add-qkv-bias", "False", "attention_bias"),
+    ("qwen2", ["--qk-layernorm"], "--qk-layernorm", "False", "model_type"),
+    (
+        "qwen3_moe",
+        ["--moe-router-score-function", "sigmoid"],
+        "--moe-router-score-function",
+        "'softmax'",
+        "num_experts_per_tok",
+    ),
+    ("qwen3_moe", ["--moe-router-pre-softmax"], "--moe-router-pre-softmax", "False", "norm_topk_prob"),
+]
+
+
+@pytest.mark.parametrize("kind,user,flag,needed,field", ARCH_CONFLICTS)
+@pytest.mark.parametrize("parser_name", ["standin", "megatron-lm"])
+def test_parsed_flag_that_contradicts_the_checkpoint_is_named(
+    parser_name, kind, user, flag, needed, field, checkpoints
+):
+    """Flags the checkpoint does not print (so merge_flags lets them through) are compared after
+    Megatron's parser has run: one line naming the flag, the checkpoint's value and its field."""
+    from twinkle_specs.launch import architecture_conflicts, check_architecture
+
+    parsers = _parsers()
+    if parser_name not in parsers:
+        pytest.skip("needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT")
+    parser = parsers[parser_name]()
+    hf = checkpoints(kind)
+    args = parser.parse_args(merge_flags(str(hf), [*COMMON, *user]))
+    (conflict,) = architecture_conflicts(args, parser, hf)
+    assert conflict.startswith(f"{flag} gives ") and "needs " in conflict, conflict
+    assert conflict.split(" needs ")[1].split("=", 1)[1].startswith(f"{needed} (config.json field {field})")
+    with pytest.raises(LaunchError, match=rf"^{flag} gives .*Drop these flags") as err:
+        check_architecture(args, parser, hf)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("parser_name", ["standin", "megatron-lm"])
+def test_checkpoint_flags_and_overrides_pass_the_architecture_check(parser_name, kind, checkpoints):
+    from twinkle_specs.launch import architecture_conflicts
+
+    parsers = _parsers()
+    if parser_name not in parsers:
+        pytest.skip("needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT")
+    parser = parsers[parser_name]()
+    hf = checkpoints(kind)
+    user = [
+        "--fp16",
+        "--hidden-dropout",
+        "0.1",
+        "--attention-dropout",
+        "0.1",
+        "--max-position-embeddings",
+        "64",
+    ]
+    user += ["--make-vocab-size-divisible-by", "1", "--init-method-std", "0.01"]
+    args = parser.parse_args(merge_flags(str(hf), [*COMMON, *user]))
+    assert architecture_conflicts(args, parser, hf) == []
+
+
+def test_launch_refuses_untied_output_layer_on_a_tied_checkpoint(checkpoints, tmp_path):
+    """A tied Qwen2 with --untie-embeddings-and-output-weights would train an output layer that the
+    HF export drops; the launcher stops after Megatron's parse, before building anything."""
+    proc = launch(
+        "--hf-model",
+        str(checkpoints("qwen2")),
+        *COMMON,
+        "--train-iters",
+        "1",
+        "--lr",
+        "0.05",
+        "--untie-embeddings-and-output-weights",
+        "--hf-export",
+        str(tmp_path / "hf-out"),
+    )
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert (
+        "twinkle_specs.launch: error: --untie-embeddings-and-output-weights gives "
+        "untie_embeddings_and_output_weights=True but"
+    ) in proc.stderr, proc.stderr[-3000:]
+    assert "config.json field tie_word_embeddings" in proc.stderr
+    assert not (tmp_path / "hf-out").exists()

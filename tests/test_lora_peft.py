@@ -115,3 +115,66 @@ def test_mismatched_adapters_are_refused(lora_checkpoints, tmp_path, single_rank
     gate_model.save_pretrained(tmp_path / "gate")
     with pytest.raises(ValueError, match="unknown target module 'shared_expert_gate'"):
         LoraConfig.from_peft(tmp_path / "gate")
+
+
+def test_patterns_naming_every_layer_match_peft(lora_checkpoints, tmp_path, single_rank):  # noqa: F811
+    """rank/alpha patterns are matched as peft matches them (against the module's full name), so keys
+    that name layers but select the module in each of them mean what they mean in PeftModel."""
+    hf = lora_checkpoints("qwen3")
+    patterns = dict(
+        rank_pattern={r"model\.layers\.\d+\.self_attn\.q_proj": 2},
+        alpha_pattern={r"layers\.\d+\.mlp\.down_proj": 3, "o_proj": 16},
+    )
+    ref_model = peft.get_peft_model(
+        hf_model(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **patterns)
+    )
+    randomize_peft(ref_model)
+    ref_model.save_pretrained(tmp_path)
+    toks = tokens()
+    with torch.no_grad():
+        ref = ref_model(toks).logits
+    lora = LoraConfig.from_peft(tmp_path)
+    model = ts.build_model(hf, lora=lora, parallel_output=False).eval()
+    sites = ts.lora.peft_io.model_sites(model)
+    assert sites["linear_qkv"]["q_proj"].r == 2 and sites["linear_fc2"]["down_proj"].lora_alpha == 3
+    assert sites["linear_proj"]["o_proj"].lora_alpha == 16 and sites["linear_qkv"]["k_proj"].r == 4
+    before = megatron_logits(model, toks)
+    load_peft_adapter(model, tmp_path)
+    ours = megatron_logits(model, toks)
+    assert (ref - before).abs().max() > 1e-2, "the adapter does not change the logits: test is vacuous"
+    assert (ours - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize(
+    "patterns",
+    [
+        dict(rank_pattern={r"0\.self_attn\.q_proj": 2}),
+        dict(alpha_pattern={"model.layers.1.mlp.down_proj": 32}),
+    ],
+)
+def test_patterns_selecting_some_layers_are_refused(
+    patterns,
+    lora_checkpoints,
+    tmp_path,
+    single_rank,  # noqa: F811
+):
+    """peft gives only the selected layers the pattern's rank/alpha; Megatron builds every layer from
+    one spec, so such an adapter is refused by name (building the model, and loading into a model built
+    otherwise) instead of applying the pattern to every layer."""
+    import re
+
+    hf = lora_checkpoints("qwen3")
+    ref_model = peft.get_peft_model(
+        hf_model(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **patterns)
+    )
+    layers = ref_model.base_model.model.model.layers
+    per_layer = {(m.self_attn.q_proj.r["default"], m.mlp.down_proj.lora_alpha["default"]) for m in layers}
+    assert len(per_layer) == 2, per_layer  # peft really adapts the layers differently
+    ref_model.save_pretrained(tmp_path)
+    (key,) = next(iter(patterns.values()))
+    message = rf"pattern\(s\) \[{re.escape(repr(key))}\] give .* different adapters per layer"
+    with pytest.raises(ValueError, match=message):
+        ts.build_model(hf, lora=LoraConfig.from_peft(tmp_path))
+    model = ts.build_model(hf, lora=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with pytest.raises(ValueError, match=message):
+        load_peft_adapter(model, tmp_path)

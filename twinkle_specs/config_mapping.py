@@ -23,93 +23,196 @@ GPT_MODEL_ARGS = ("max_position_embeddings", "rotary_base", "position_embedding_
 # own YaRN settings are config attributes that GPTModel and the attention read with getattr (not dataclass
 # fields): transformer_config_from_hf sets them on the TransformerConfig after it is built (0.16 and 0.19).
 YARN_MIN_MEGATRON = "0.19"
+# The config.json field that decides QKV bias, by family (Qwen2 always has it).
+_QKV_BIAS_SOURCE = {"qwen2": "model_type", "qwen2_moe": "qkv_bias"}
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One fact of the checkpoint: the flags that say it, and the TransformerConfig fields they set."""
+    """One fact of the checkpoint: the flags that say it, the TransformerConfig fields they set, the
+    config.json field it comes from, and the further Megatron-LM flags it rules out (which must keep
+    Megatron's default). The launcher checks every flag a setting names against Megatron's parsed args.
+    """
 
     flags: list[str]
     config: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+    governs: tuple[str, ...] = ()
+
+    @property
+    def arch_flags(self) -> list[str]:
+        """Every flag whose parsed value this fact determines."""
+        return [t for t in self.flags if t.startswith("--")] + [
+            f for f in self.governs if f not in self.flags
+        ]
+
+
+def _switch(
+    flag: str, on: bool, config: dict[str, Any], source: str, governs: tuple[str, ...] = ()
+) -> Setting:
+    """A store-true flag the checkpoint needs on or off (off: the flag must not be given)."""
+    return Setting([flag] if on else [], config, source, (flag, *governs))
 
 
 def _settings(arch: QwenArch) -> list[Setting]:
     s = [
-        Setting(["--num-layers", str(arch.num_layers)], {"num_layers": arch.num_layers}),
-        Setting(["--hidden-size", str(arch.hidden_size)], {"hidden_size": arch.hidden_size}),
-        Setting(["--ffn-hidden-size", str(arch.ffn_hidden_size)], {"ffn_hidden_size": arch.ffn_hidden_size}),
+        Setting(
+            ["--num-layers", str(arch.num_layers)],
+            {"num_layers": arch.num_layers},
+            "num_hidden_layers",
+            ("--encoder-num-layers", "--decoder-num-layers"),
+        ),
+        Setting(["--hidden-size", str(arch.hidden_size)], {"hidden_size": arch.hidden_size}, "hidden_size"),
+        Setting(
+            ["--ffn-hidden-size", str(arch.ffn_hidden_size)],
+            {"ffn_hidden_size": arch.ffn_hidden_size},
+            "intermediate_size",
+        ),
         Setting(
             ["--num-attention-heads", str(arch.num_attention_heads)],
             {"num_attention_heads": arch.num_attention_heads},
+            "num_attention_heads",
         ),
         Setting(
             ["--group-query-attention", "--num-query-groups", str(arch.num_query_groups)],
             {"num_query_groups": arch.num_query_groups},
+            "num_key_value_heads",
         ),
-        Setting(["--kv-channels", str(arch.kv_channels)], {"kv_channels": arch.kv_channels}),
+        Setting(["--kv-channels", str(arch.kv_channels)], {"kv_channels": arch.kv_channels}, "head_dim"),
         Setting(
             ["--normalization", "RMSNorm", "--norm-epsilon", repr(arch.norm_epsilon)],
             {"normalization": "RMSNorm", "layernorm_epsilon": arch.norm_epsilon},
+            "rms_norm_eps",
         ),
-        Setting(["--swiglu"], {"gated_linear_unit": True, "activation_func": F.silu}),
-        Setting(["--disable-bias-linear"], {"add_bias_linear": False}),
+        Setting(
+            ["--swiglu"],
+            {"gated_linear_unit": True, "activation_func": F.silu},
+            "hidden_act",
+            (
+                "--squared-relu",
+                "--quick-geglu",
+                "--openai-gelu",
+                "--glu-linear-offset",
+                "--activation-func-clamp-value",
+                "--moe-mlp-glu-interleave-size",
+            ),
+        ),
+        Setting(["--disable-bias-linear"], {"add_bias_linear": False}, "architectures"),
+        _switch(
+            "--add-qkv-bias",
+            arch.qkv_bias,
+            {"add_qkv_bias": arch.qkv_bias},
+            _QKV_BIAS_SOURCE.get(arch.family, "attention_bias"),
+        ),
+        _switch(
+            "--qk-layernorm",
+            arch.qk_layernorm,
+            {"qk_layernorm": arch.qk_layernorm},
+            "model_type",
+            ("--qk-l2-norm",),
+        ),
         _rope_setting(arch),
         Setting(
             ["--max-position-embeddings", str(arch.max_position_embeddings)],
             {"max_position_embeddings": arch.max_position_embeddings},
+            "max_position_embeddings",
         ),
         Setting(
             ["--attention-dropout", repr(arch.attention_dropout), "--hidden-dropout", "0.0"],
             {"attention_dropout": arch.attention_dropout, "hidden_dropout": 0.0},
+            "attention_dropout",
         ),
-        Setting(["--init-method-std", repr(arch.init_method_std)], {"init_method_std": arch.init_method_std}),
+        Setting(
+            ["--init-method-std", repr(arch.init_method_std)],
+            {"init_method_std": arch.init_method_std},
+            "initializer_range",
+        ),
+        _switch(
+            "--untie-embeddings-and-output-weights",
+            not arch.tie_word_embeddings,
+            {},
+            "tie_word_embeddings",
+        ),
+        Setting([], source="use_sliding_window", governs=("--window-size", "--window-attn-skip-freq")),
+        # What no Qwen of these families has: each flag must keep Megatron-LM's default.
+        Setting(
+            [],
+            source="architectures",
+            governs=(
+                "--apply-layernorm-1p",  # transformers' Qwen RMSNorm multiplies by the weight itself
+                "--apply-residual-connection-post-layernorm",
+                "--multi-latent-attention",
+                "--experimental-attention-variant",
+                "--linear-attention-freq",
+                "--attention-output-gate",
+                "--softmax-type",
+                "--mtp-num-layers",
+                "--heterogeneous-layers-config-path",
+                "--heterogeneous-layers-config-encoded-json",
+                "--use-mup",
+            ),
+        ),
     ]
-    if arch.qkv_bias:
-        s.append(Setting(["--add-qkv-bias"], {"add_qkv_bias": True}))
-    if arch.qk_layernorm:
-        s.append(Setting(["--qk-layernorm"], {"qk_layernorm": True}))
-    if not arch.tie_word_embeddings:
-        s.append(Setting(["--untie-embeddings-and-output-weights"]))
     if arch.dtype == "bfloat16":
-        s.append(Setting(["--bf16"], {"bf16": True, "params_dtype": torch.bfloat16}))
+        s.append(Setting(["--bf16"], {"bf16": True, "params_dtype": torch.bfloat16}, "dtype"))
     elif arch.dtype == "float16":
-        s.append(Setting(["--fp16"], {"fp16": True, "params_dtype": torch.float16}))
-    if arch.is_moe:
-        s += [
-            Setting(["--num-experts", str(arch.num_experts)], {"num_moe_experts": arch.num_experts}),
-            Setting(
-                ["--moe-router-topk", str(arch.moe_router_topk)], {"moe_router_topk": arch.moe_router_topk}
+        s.append(Setting(["--fp16"], {"fp16": True, "params_dtype": torch.float16}, "dtype"))
+    if not arch.is_moe:
+        return s + [Setting([], source="architectures", governs=("--num-experts",))]
+    s += [
+        Setting(
+            ["--num-experts", str(arch.num_experts)],
+            {"num_moe_experts": arch.num_experts},
+            "num_experts",
+            ("--moe-latent-size",),
+        ),
+        Setting([], source="decoder_sparse_step", governs=("--moe-layer-freq",)),
+        Setting(
+            ["--moe-router-topk", str(arch.moe_router_topk)],
+            {"moe_router_topk": arch.moe_router_topk},
+            "num_experts_per_tok",
+            (
+                "--moe-router-score-function",
+                "--moe-router-topk-scaling-factor",
+                "--moe-router-num-groups",
+                "--moe-router-group-topk",
+                "--moe-router-enable-expert-bias",
+                "--moe-apply-probs-on-input",
             ),
-            Setting(
-                ["--moe-ffn-hidden-size", str(arch.moe_ffn_hidden_size)],
-                {"moe_ffn_hidden_size": arch.moe_ffn_hidden_size},
-            ),
-            Setting(
-                [
-                    "--moe-router-load-balancing-type",
-                    "aux_loss",
-                    "--moe-aux-loss-coeff",
-                    repr(arch.moe_aux_loss_coeff),
-                ],
-                {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": arch.moe_aux_loss_coeff},
-            ),
-        ]
-        if not arch.norm_topk_prob:
-            s.append(Setting(["--moe-router-pre-softmax"], {"moe_router_pre_softmax": True}))
-        if arch.shared_expert_intermediate_size:
-            s.append(
-                Setting(
-                    [
-                        "--moe-shared-expert-intermediate-size",
-                        str(arch.shared_expert_intermediate_size),
-                        "--moe-shared-expert-gate",
-                    ],
-                    {
-                        "moe_shared_expert_intermediate_size": arch.shared_expert_intermediate_size,
-                        "moe_shared_expert_gate": True,
-                    },
-                )
-            )
+        ),
+        Setting(
+            ["--moe-ffn-hidden-size", str(arch.moe_ffn_hidden_size)],
+            {"moe_ffn_hidden_size": arch.moe_ffn_hidden_size},
+            "moe_intermediate_size",
+        ),
+        Setting(
+            [
+                "--moe-router-load-balancing-type",
+                "aux_loss",
+                "--moe-aux-loss-coeff",
+                repr(arch.moe_aux_loss_coeff),
+            ],
+            {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": arch.moe_aux_loss_coeff},
+            "router_aux_loss_coef",
+        ),
+        _switch(
+            "--moe-router-pre-softmax",
+            not arch.norm_topk_prob,
+            {"moe_router_pre_softmax": True} if not arch.norm_topk_prob else {},
+            "norm_topk_prob",
+        ),
+    ]
+    shared = arch.shared_expert_intermediate_size
+    s.append(
+        Setting(
+            ["--moe-shared-expert-intermediate-size", str(shared), "--moe-shared-expert-gate"]
+            if shared
+            else [],
+            {"moe_shared_expert_intermediate_size": shared, "moe_shared_expert_gate": True} if shared else {},
+            "shared_expert_intermediate_size",
+            ("--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate"),
+        )
+    )
     return s
 
 
@@ -127,8 +230,18 @@ def _rope_setting(arch: QwenArch) -> Setting:
         "position_embedding_type": arch.position_embedding_type,
     }
     yarn = arch.yarn
+    source = yarn.field if yarn is not None else "rope_parameters"
+    governs = (
+        "--rotary-interleaved",  # transformers rotates the two halves of each head, not interleaved pairs
+        "--rotary-percent",  # partial_rotary_factor must be 1.0
+        "--rotary-seq-len-interpolation-factor",
+        "--use-rope-scaling",
+        "--no-rope-freq",
+        "--no-position-embedding",
+        "--rope-type",
+    )
     if yarn is None:
-        return Setting(flags, config)
+        return Setting(flags, config, source, governs)
     # Megatron-LM core_v0.19's flags; its argument_utils._apply_yarn_config_from_args copies them to the
     # config's yarn_* attributes. The attention scales RoPE's cos/sin by the concentration factor from
     # (factor, mscale, mscale_all_dim); TE's fused RoPE cannot (bshd falls back to unfused with a
@@ -160,7 +273,7 @@ def _rope_setting(arch: QwenArch) -> Setting:
         "yarn_correction_range_round_to_int": yarn.correction_range_round_to_int,
         "apply_rope_fusion": False,
     }
-    return Setting(flags, config)
+    return Setting(flags, config, source, governs)
 
 
 def flag_values(tokens: list[str]) -> dict[str, list[str]]:
@@ -205,6 +318,11 @@ def megatron_args_from_hf(hf_dir: str | Path, *, megatron_version: str | None = 
     # The embedding is padded to a multiple of this times TP; Qwen vocabularies are multiples of 128.
     flags += ["--make-vocab-size-divisible-by", "128" if arch.vocab_size % 128 == 0 else "1"]
     return flags + SPEC_FLAGS
+
+
+def architecture_settings(hf_dir: str | Path) -> list[Setting]:
+    """The checkpoint's facts (:class:`Setting`), for checking a parsed Megatron command line against."""
+    return _settings(qwen_arch_from_hf(hf_dir))
 
 
 def _config_fields(arch: QwenArch) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .hf_config import FIELD_POLICY, ROPE_KEY_POLICY
+from .hf_config import FIELD_POLICY, MOE_REQUIRED_FIELDS, REQUIRED_FIELDS, ROPE_KEY_POLICY
 
 
 def config_fields_markdown() -> str:
@@ -14,6 +14,11 @@ def config_fields_markdown() -> str:
         "only with the value we can reproduce exactly; anything else is an error naming the field) or\n"
         "*ignored* (with the reason). A field not in this table is an error. Generated from\n"
         "`twinkle_specs.hf_config.FIELD_POLICY` by `python -m twinkle_specs.docs`.\n\n"
+        "A field config.json leaves out takes the default of the model type's transformers config class\n"
+        "(what transformers itself uses), except those that fix the weights' shapes, which must be present:\n"
+        f"{', '.join(f'`{f}`' for f in REQUIRED_FIELDS)} and, for MoE models, "
+        f"{', '.join(f'`{f}`' for f in MOE_REQUIRED_FIELDS)} (or `num_local_experts`). Counts must be\n"
+        "integers (`2.7` layers is an error, not 2), sizes at least 1, switches true or false.\n\n"
         "| field | policy | Megatron / reason |\n|---|---|---|\n" + rows + "\n\n"
         "## rope_parameters / rope_scaling keys\n\n"
         "Resolved as transformers' `_compute_yarn_parameters` resolves them; any other key, or a key with a\n"

@@ -7,6 +7,8 @@ reason). A field not in the table is an error, so nothing the checkpoint says is
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -25,6 +27,19 @@ class UnsupportedConfigError(ValueError):
     """The checkpoint's config.json asks for something twinkle-specs cannot reproduce exactly."""
 
 
+# Fields a config.json must carry: they fix the weights' shapes, and transformers would fill them in
+# from its config class (the sizes of a 7B model) without a word.
+REQUIRED_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
+MOE_REQUIRED_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
 # field -> (policy, what happens). Policies: "mapped", "checked", "ignored". docs/config-fields.md is
 # generated from this table (tests check it is current).
 FIELD_POLICY: dict[str, tuple[str, str]] = {
@@ -34,8 +49,16 @@ FIELD_POLICY: dict[str, tuple[str, str]] = {
     "hidden_size": ("mapped", "--hidden-size"),
     "intermediate_size": ("mapped", "--ffn-hidden-size (dense MLP)"),
     "num_attention_heads": ("mapped", "--num-attention-heads"),
-    "num_key_value_heads": ("mapped", "--group-query-attention --num-query-groups"),
-    "head_dim": ("mapped", "--kv-channels (default hidden_size / num_attention_heads)"),
+    "num_key_value_heads": (
+        "mapped",
+        "--group-query-attention --num-query-groups (absent: the transformers config class's default; "
+        "null: num_attention_heads)",
+    ),
+    "head_dim": (
+        "mapped",
+        "--kv-channels (absent: the transformers config class's default, e.g. Qwen3 128; a class without "
+        "one (Qwen2): hidden_size / num_attention_heads, as transformers' attention computes it)",
+    ),
     "hidden_act": ("checked", "must be silu: --swiglu"),
     "rms_norm_eps": ("mapped", "--normalization RMSNorm --norm-epsilon"),
     "vocab_size": ("mapped", "embedding/output rows (padded with zero rows to a multiple of TP)"),
@@ -63,7 +86,11 @@ FIELD_POLICY: dict[str, tuple[str, str]] = {
         "unused otherwise",
     ),
     "tie_word_embeddings": ("mapped", "false -> --untie-embeddings-and-output-weights"),
-    "attention_bias": ("checked", "Qwen3: must be false (o_proj bias is not supported)"),
+    "attention_bias": (
+        "checked",
+        "Qwen3 / Qwen3-MoE: must be false (transformers then biases q/k/v and o_proj; Megatron can bias "
+        "QKV alone or every linear layer, not QKV and the output projection)",
+    ),
     "qkv_bias": ("mapped", "Qwen2-MoE: --add-qkv-bias"),
     "attention_dropout": ("mapped", "--attention-dropout"),
     "initializer_range": ("mapped", "--init-method-std"),
@@ -239,65 +266,125 @@ def qwen_arch_from_hf(hf_dir: str | Path) -> QwenArch:
     if raw.get("model_type", family) != family:
         raise _reject(where, "model_type", raw.get("model_type"), f"{arch} needs model_type {family!r}")
 
+    missing = [f for f in REQUIRED_FIELDS if raw.get(f) is None]
+    if family.endswith("moe"):
+        missing += [
+            f
+            for f in MOE_REQUIRED_FIELDS
+            if raw.get(f) is None and not (f == "num_experts" and raw.get("num_local_experts") is not None)
+        ]
+    if missing:
+        raise UnsupportedConfigError(
+            f"{where}: missing field(s) {missing}; {arch} needs them (they fix the weights' shapes). "
+            "Use the config.json saved with the weights."
+        )
+    defaults = transformers_defaults(family)
+
     def get(field: str, default: Any = None) -> Any:
-        value = raw.get(field, default)
+        """config.json's value; absent: transformers' default for this model type; null: ``default``."""
+        value = raw[field] if field in raw else defaults.get(field)
         return default if value is None else value
+
+    def count(field: str, default: Any = None, minimum: int = 1) -> int:
+        return _integer(get(field, default), where, field, minimum)
+
+    def real(field: str, low: float = 0.0, positive: bool = False) -> float:
+        value = _number(get(field), where, field)
+        if value is None or value < low or (positive and value == low):
+            raise _reject(where, field, value, f"must be a number {'>' if positive else '>='} {low}")
+        return float(value)
+
+    def flag(field: str, default: bool = False) -> bool:
+        value = get(field, default)
+        if not isinstance(value, bool):
+            raise _reject(where, field, value, "must be true or false")
+        return value
 
     if get("hidden_act", "silu") != "silu":
         raise _reject(where, "hidden_act", raw["hidden_act"], "only silu (SwiGLU) is supported")
-    if get("use_sliding_window", False):
+    if flag("use_sliding_window"):
         raise _reject(where, "use_sliding_window", True, "sliding-window attention is not implemented")
     if any(t != "full_attention" for t in get("layer_types", [])):
         raise _reject(where, "layer_types", raw["layer_types"], "every layer must be full_attention")
     if raw.get("quantization_config"):
         raise _reject(where, "quantization_config", "...", "load a bf16/fp16/fp32 checkpoint instead")
-    if get("use_mrope", False):
+    if flag("use_mrope"):
         raise _reject(where, "use_mrope", True, "multimodal rope is not supported")
-    if family == "qwen3" and get("attention_bias", False):
-        raise _reject(where, "attention_bias", True, "Megatron has no bias-on-o_proj-only option")
+    if "attention_bias" in defaults and flag("attention_bias"):  # a field of the model type's class
+        raise _reject(
+            where,
+            "attention_bias",
+            True,
+            f"{arch} then biases q/k/v and o_proj; Megatron has no QKV-and-output-projection-only bias",
+        )
     if family.endswith("moe"):
         if get("decoder_sparse_step", 1) != 1:
             raise _reject(where, "decoder_sparse_step", raw["decoder_sparse_step"], "every layer must be MoE")
         if get("mlp_only_layers", []):
             raise _reject(where, "mlp_only_layers", raw["mlp_only_layers"], "every layer must be MoE")
 
-    heads = int(raw["num_attention_heads"])
-    hidden = int(raw["hidden_size"])
+    heads = count("num_attention_heads")
+    hidden = count("hidden_size")
+    kv_heads = count("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise _reject(where, "num_key_value_heads", kv_heads, f"must divide num_attention_heads ({heads})")
+    max_positions = count("max_position_embeddings")
     rope_field, rope, rope_type = _rope_parameters(raw, where)
     yarn = _yarn_rope(raw, rope, rope_field, where) if rope_type == "yarn" else None
+    rope_theta_field = f"{rope_field}.rope_theta" if rope.get("rope_theta") is not None else "rope_theta"
+    rope_theta = _number(rope.get("rope_theta") or get("rope_theta"), where, rope_theta_field)
+    if rope_theta is None or rope_theta <= 0:
+        raise _reject(where, rope_theta_field, rope_theta, "must be a positive number")
     dtype = get("dtype", get("torch_dtype"))
-    num_experts = raw.get("num_experts", raw.get("num_local_experts")) if family.endswith("moe") else None
+    num_experts = None
+    if family.endswith("moe"):
+        num_experts = count("num_experts" if "num_experts" in raw else "num_local_experts")
+    shared = count("shared_expert_intermediate_size", 0, minimum=0) if family == "qwen2_moe" else 0
     return QwenArch(
         architecture=arch,
         family=family,
-        num_layers=int(raw["num_hidden_layers"]),
+        num_layers=count("num_hidden_layers"),
         hidden_size=hidden,
-        ffn_hidden_size=int(raw["intermediate_size"]),
+        ffn_hidden_size=count("intermediate_size"),
         num_attention_heads=heads,
-        num_query_groups=int(get("num_key_value_heads", heads)),
-        kv_channels=int(get("head_dim", hidden // heads)),
-        norm_epsilon=float(get("rms_norm_eps", 1e-6)),
-        vocab_size=int(raw["vocab_size"]),
-        max_position_embeddings=int(raw["max_position_embeddings"]),
-        rotary_base=float(rope.get("rope_theta") or get("rope_theta", 10000.0)),
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(get("qkv_bias", True))),
+        num_query_groups=kv_heads,
+        kv_channels=count("head_dim", hidden // heads),
+        norm_epsilon=real("rms_norm_eps", positive=True),
+        vocab_size=count("vocab_size"),
+        max_position_embeddings=max_positions,
+        rotary_base=float(rope_theta),
+        tie_word_embeddings=flag("tie_word_embeddings"),
+        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and flag("qkv_bias", True)),
         qk_layernorm=family in ("qwen3", "qwen3_moe"),
-        attention_dropout=float(get("attention_dropout", 0.0)),
-        init_method_std=float(get("initializer_range", 0.02)),
+        attention_dropout=real("attention_dropout"),
+        init_method_std=real("initializer_range"),
         dtype=str(dtype) if dtype else None,
-        num_experts=int(num_experts) if num_experts else None,
-        moe_router_topk=int(raw["num_experts_per_tok"]) if num_experts else None,
-        moe_ffn_hidden_size=int(raw["moe_intermediate_size"]) if num_experts else None,
-        norm_topk_prob=bool(get("norm_topk_prob", False)) if num_experts else True,
-        shared_expert_intermediate_size=(
-            int(raw["shared_expert_intermediate_size"])
-            if family == "qwen2_moe" and get("shared_expert_intermediate_size", 0)
-            else None
-        ),
-        moe_aux_loss_coeff=float(get("router_aux_loss_coef", 0.0)) if num_experts else 0.0,
+        num_experts=num_experts,
+        moe_router_topk=count("num_experts_per_tok") if num_experts else None,
+        moe_ffn_hidden_size=count("moe_intermediate_size") if num_experts else None,
+        norm_topk_prob=flag("norm_topk_prob") if num_experts else True,
+        shared_expert_intermediate_size=shared or None,
+        moe_aux_loss_coeff=real("router_aux_loss_coef") if num_experts else 0.0,
         yarn=yarn,
     )
+
+
+@functools.cache
+def transformers_defaults(model_type: str) -> dict[str, Any]:
+    """What transformers uses for a field config.json leaves out: the defaults of the model type's own
+    config class, and its ``default_theta`` as ``rope_theta``."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    return defaults | {"rope_theta": cls.default_theta}
+
+
+def _integer(value: Any, where: str, name: str, minimum: int = 1) -> int:
+    """``value`` if it is a whole number >= ``minimum`` (2.7, "4", 0 layers are errors naming the field)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _reject(where, name, value, f"must be an integer >= {minimum}")
+    return value
 
 
 def _rope_parameters(raw: dict[str, Any], where: str) -> tuple[str, dict[str, Any], str]:

@@ -8,7 +8,10 @@ The script runs unmodified (``runpy``). Before it starts, this module
    contradicts the checkpoint's architecture is an error naming both), adds ``--spec twinkle_specs
    qwen_layer_spec`` and the HuggingFaceTokenizer flags;
 2. registers its own flags with Megatron's parser by composing with the script's
-   ``extra_args_provider`` (they show in ``--help`` and in the logged arguments);
+   ``extra_args_provider`` (they show in ``--help`` and in the logged arguments), and once Megatron
+   has parsed, compares every architecture field of its args with the checkpoint's
+   (:func:`check_architecture`), so that flags the checkpoint never prints (``--rotary-interleaved``,
+   ``--num-experts`` on a dense model) cannot change the model either;
 3. hooks GPTModel construction: the LoRA config is attached to the layer config before the layers are
    built, the embedding is sized to the checkpoint's vocabulary, HF weights load right after
    construction (before Float16/DDP wrapping and the optimizer), and with LoRA the base is frozen and
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .config_mapping import flag_values, megatron_args_from_hf
+from .config_mapping import architecture_settings, flag_values, megatron_args_from_hf
 from .hf_config import qwen_arch_from_hf
 
 # Checkpoint-derived flags a user may override (precision, regularisation, padding, aux loss).
@@ -143,6 +146,44 @@ def merge_flags(hf_dir: str, user: list[str]) -> list[str]:
     return merged + user
 
 
+def architecture_conflicts(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, hf_dir: str | Path
+) -> list[str]:
+    """Every architecture field of Megatron's parsed ``args`` that differs from what the checkpoint needs.
+
+    The fields are the flags of :func:`config_mapping.architecture_settings` (the table that writes the
+    flags and the TransformerConfig), overridable ones aside; the checkpoint's value of each is what
+    Megatron's own ``parser`` makes of the checkpoint's flags alone (its default where the checkpoint
+    gives none), so a flag that only the user gave (``--rotary-interleaved``, ``--num-experts`` on a
+    dense model) is compared too. A flag this Megatron version does not have is skipped.
+    """
+    expected, _ = parser.parse_known_args(megatron_args_from_hf(hf_dir))
+    config = Path(hf_dir) / "config.json"
+    conflicts, seen = [], set()
+    for setting in architecture_settings(hf_dir):
+        for flag in setting.arch_flags:
+            action = parser._option_string_actions.get(flag)  # argparse has no public lookup
+            if flag in OVERRIDABLE or action is None or action.dest in seen:
+                continue
+            seen.add(action.dest)
+            given, needed = getattr(args, action.dest, None), getattr(expected, action.dest)
+            if given != needed:
+                field = f" (config.json field {setting.source})" if setting.source else ""
+                conflicts.append(
+                    f"{flag} gives {action.dest}={given!r} but {config} needs {action.dest}={needed!r}{field}"
+                )
+    return conflicts
+
+
+def check_architecture(args: argparse.Namespace, parser: argparse.ArgumentParser, hf_dir: str | Path) -> None:
+    """Raises :class:`LaunchError` naming every flag that contradicts the checkpoint's architecture."""
+    conflicts = architecture_conflicts(args, parser, hf_dir)
+    if conflicts:
+        raise LaunchError(
+            "; ".join(conflicts) + ". Drop these flags: the launcher sets the checkpoint's architecture."
+        )
+
+
 @dataclass
 class Run:
     """What the hooks need to know about this launch, filled from Megatron's parsed args."""
@@ -179,12 +220,20 @@ def _lora_from_args(args) -> object | None:
 def _wrap_parse_args(original):
     @functools.wraps(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        parsers = []
+
         def composed(parser):
             if extra_args_provider is not None:
                 parser = extra_args_provider(parser)
-            return add_twinkle_args(parser)
+            parsers.append(add_twinkle_args(parser))
+            return parsers[-1]
 
         args = original(composed, ignore_unknown_args)
+        if args.hf_model:
+            try:
+                check_architecture(args, parsers[-1], args.hf_model)
+            except LaunchError as err:
+                raise SystemExit(f"twinkle_specs.launch: error: {err}") from err
         global _RUN
         _RUN = Run(hf_dir=args.hf_model, lora=_lora_from_args(args))
         return args

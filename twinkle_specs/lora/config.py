@@ -13,7 +13,6 @@ LoraConfig means the same adapter in Megatron and in PEFT. Megatron names adapt 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +69,10 @@ class LoraConfig:
     ``target_modules``: HF projection names (q_proj ... down_proj), Megatron linear names (linear_qkv,
     linear_proj, linear_fc1, linear_fc2 (these include routed experts), router) or ``"all-linear"``.
     ``target_parameters``: routed experts and router, as in peft. ``rank_pattern``/``alpha_pattern``:
-    PEFT's per-module overrides, matched against layer-relative paths (they may not name a layer).
+    PEFT's per-module overrides, matched as peft matches them (``get_pattern_key``: the first key that
+    matches the end of the module's full name, e.g. ``model.layers.3.self_attn.q_proj``, at a dot). A
+    pattern may name layers, but must give a module the same rank and alpha in every layer: Megatron
+    builds every layer from one spec, so per-layer adapters are refused, naming the pattern.
     A is initialised like PEFT's (Kaiming-uniform), B with zeros, so a fresh adapter changes nothing.
     """
 
@@ -93,12 +95,6 @@ class LoraConfig:
         object.__setattr__(self, "target_parameters", tuple(self.target_parameters))
         object.__setattr__(self, "rank_pattern", dict(self.rank_pattern))
         object.__setattr__(self, "alpha_pattern", dict(self.alpha_pattern))
-        for key in (*self.rank_pattern, *self.alpha_pattern):
-            if "layers" in key:
-                raise ValueError(
-                    f"LoraConfig: rank/alpha pattern {key!r} names layers; only layer-independent patterns "
-                    "(e.g. '.*\\.q_proj') are supported"
-                )
         for name in self.target_modules:
             if name != "all-linear" and name not in HF_MODULES and name not in MEGATRON_MODULES:
                 raise ValueError(
@@ -113,11 +109,12 @@ class LoraConfig:
                 )
         self.resolve(fused_experts=False, shared_expert=False)  # fail early on empty targets
 
-    def resolve(self, *, fused_experts: bool, shared_expert: bool) -> Sites:
+    def resolve(self, *, fused_experts: bool, shared_expert: bool, num_layers: int = 1) -> Sites:
         """Site -> slot -> rank/scaling for one model kind.
 
         ``fused_experts``: a transformers-5 fused-expert model on which peft rewrites v4 MLP names to
         expert parameters (Qwen3-MoE); ``shared_expert``: the MLP names mean the shared expert.
+        ``num_layers``: the model's layers, each of which must resolve to the same ranks and alphas.
         """
         modules, params = set(self.target_modules), set(self.target_parameters)
         rank_pattern, alpha_pattern = dict(self.rank_pattern), dict(self.alpha_pattern)
@@ -159,12 +156,17 @@ class LoraConfig:
         for site, slots in chosen.items():
             sites[site] = {}
             for slot in (s for s in SITE_SLOTS[site] if s in slots):
-                path = f"model.layers.0.{slot_path(site, slot, shared_expert)}"
-                sites[site][slot] = SlotSpec(
-                    int(_pattern_value(rank_pattern, path, self.r)),
-                    _pattern_value(alpha_pattern, path, self.lora_alpha),
-                    self.use_rslora,
-                )
+                path = pattern_path(site, slot, shared_expert)
+                per_layer = {
+                    i: (
+                        int(_pattern_value(rank_pattern, f"model.layers.{i}.{path}", self.r)),
+                        _pattern_value(alpha_pattern, f"model.layers.{i}.{path}", self.lora_alpha),
+                    )
+                    for i in range(num_layers)
+                }
+                if len(set(per_layer.values())) > 1:
+                    raise ValueError(_per_layer_message(path, per_layer, rank_pattern, alpha_pattern))
+                sites[site][slot] = SlotSpec(*per_layer[0], self.use_rslora)
         return sites
 
     @classmethod
@@ -210,6 +212,32 @@ class LoraConfig:
         )
 
 
+def pattern_path(site: str, slot: str, shared_expert: bool) -> str:
+    """The layer-relative name peft matches rank/alpha patterns against: the module's path, and for a
+    ``target_parameters`` entry the parameter's (``mlp.gate.weight``, ``mlp.experts.down_proj``)."""
+    path = slot_path(site, slot, shared_expert)
+    return f"{path}.weight" if site == "router" else path
+
+
+def _per_layer_message(path: str, per_layer: dict, rank_pattern: Mapping, alpha_pattern: Mapping) -> str:
+    from peft.utils.other import get_pattern_key
+
+    groups: dict[tuple, list[int]] = {}
+    for i, value in per_layer.items():
+        groups.setdefault(value, []).append(i)
+    keys = {
+        get_pattern_key(list(patterns), f"model.layers.{i}.{path}")
+        for patterns in (rank_pattern, alpha_pattern)
+        for i in per_layer
+    } & (set(rank_pattern) | set(alpha_pattern))
+    found = "; ".join(f"r={r} alpha={a} in layers {layers}" for (r, a), layers in groups.items())
+    return (
+        f"LoraConfig: rank/alpha pattern(s) {sorted(keys)} give {path} different adapters per layer ({found}); "
+        "Megatron builds every layer from one spec, so per-layer ranks and alphas cannot be represented: "
+        "use patterns that select the module in every layer (e.g. '.*\\.q_proj')"
+    )
+
+
 def _parameter_site(name: str) -> str | None:
     """peft target_parameters name (any suffix of the full path) -> Megatron site."""
     for full, site in zip(
@@ -221,8 +249,10 @@ def _parameter_site(name: str) -> str | None:
 
 
 def _pattern_value(patterns: Mapping[str, float], path: str, default: float) -> float:
-    """PEFT's rule: the first pattern matching the end of the module path (at a dot boundary)."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", path):
-            return value
-    return default
+    """The value peft's LoraModel gives the module ``path`` (its full name): peft's own
+    ``get_pattern_key`` (the first key matching the end of the name at a dot), else ``default``."""
+    if not patterns:
+        return default
+    from peft.utils.other import get_pattern_key
+
+    return patterns.get(get_pattern_key(list(patterns), path), default)

@@ -29,7 +29,7 @@ from ..hf_config import qwen_arch_from_hf
 from ..output_dir import staged_output
 from ..parallel import model_chunks
 from ..weight_map import bind
-from .config import LoraConfig, Sites, slot_path
+from .config import LoraConfig, Sites, pattern_path, slot_path
 from .layers import LoraLayerMixin
 from .model import lora_modules
 
@@ -82,6 +82,7 @@ def resolve_for(model, lora: LoraConfig) -> Sites:
     return lora.resolve(
         fused_experts=bool(config.num_moe_experts) and config.qk_layernorm,
         shared_expert=bool(config.moe_shared_expert_intermediate_size),
+        num_layers=config.num_layers,
     )
 
 
@@ -240,10 +241,11 @@ def _peft_config(lora: LoraConfig, sites: Sites, shared_expert: bool, base: str)
                 parameters.add(f"{path}.weight")
             else:
                 modules.add(slot)
+            key = rf".*\.{re.escape(pattern_path(site, slot, shared_expert))}"
             if spec.r != lora.r:
-                ranks[rf".*\.{re.escape(path)}"] = spec.r
+                ranks[key] = spec.r
             if spec.lora_alpha != lora.lora_alpha:
-                alphas[rf".*\.{re.escape(path)}"] = spec.lora_alpha
+                alphas[key] = spec.lora_alpha
     return peft.LoraConfig(
         r=lora.r,
         lora_alpha=lora.lora_alpha,

@@ -165,6 +165,7 @@ def lora_layer_submodules(
     sites = lora.resolve(
         fused_experts=bool(config.num_moe_experts) and config.qk_layernorm,
         shared_expert=bool(config.moe_shared_expert_intermediate_size),
+        num_layers=config.num_layers,
     )
     p = lora.lora_dropout
     layer = {}  # the layer's submodules that change besides attention and MLP

@@ -28,8 +28,8 @@ def add_megatron_arguments(parser):
         "--save-interval",
         "--rotary-base",  # an int in Megatron-LM too
     ]
+    floats_default = {"--rotary-percent": 1.0}
     floats = [
-        "--norm-epsilon",
         "--attention-dropout",
         "--hidden-dropout",
         "--init-method-std",
@@ -48,7 +48,7 @@ def add_megatron_arguments(parser):
     switches = [
         "--group-query-attention",
         "--swiglu",
-        "--disable-bias-linear",
+        "--rotary-interleaved",
         "--qk-layernorm",
         "--add-qkv-bias",
         "--untie-embeddings-and-output-weights",
@@ -65,6 +65,13 @@ def add_megatron_arguments(parser):
         parser.add_argument(f, type=str, default=None)
     for f in switches:
         parser.add_argument(f, action="store_true")
+    for f, default in floats_default.items():
+        parser.add_argument(f, type=float, default=default)
+    # Megatron-LM generates these from TransformerConfig fields: the dest is the field's name.
+    parser.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
+    parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    parser.add_argument("--moe-router-score-function", type=str, default="softmax")
+    parser.add_argument("--apply-layernorm-1p", dest="layernorm_zero_centered_gamma", action="store_true")
     parser.add_argument("--spec", nargs="*", default=None)
     return parser
 
@@ -89,10 +96,12 @@ def core_transformer_config_from_args(args):
         num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels,
         normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
+        layernorm_epsilon=args.layernorm_epsilon,
+        layernorm_zero_centered_gamma=args.layernorm_zero_centered_gamma,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu,
-        add_bias_linear=not args.disable_bias_linear,
+        add_bias_linear=args.add_bias_linear,
+        rotary_interleaved=args.rotary_interleaved,
         add_qkv_bias=args.add_qkv_bias,
         qk_layernorm=args.qk_layernorm,
         hidden_dropout=args.hidden_dropout,
@@ -101,6 +110,7 @@ def core_transformer_config_from_args(args):
         moe_router_topk=args.moe_router_topk or 2,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_score_function=args.moe_router_score_function,
         moe_token_dispatcher_type="allgather",
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=args.moe_shared_expert_gate,
