@@ -11,7 +11,10 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .hybrid_config import HybridArch
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
@@ -194,6 +197,7 @@ class QwenArch:
     shared_expert_intermediate_size: int | None = None
     moe_aux_loss_coeff: float = 0.0
     yarn: YarnRope | None = None
+    hybrid: HybridArch | None = None  # Qwen3-Next / Qwen3.5: see hybrid_config
 
     @property
     def is_moe(self) -> bool:
@@ -225,6 +229,10 @@ def qwen_arch_from_hf(hf_dir: str | Path) -> QwenArch:
     """Validates a checkpoint's config.json against :data:`FIELD_POLICY` and returns its QwenArch."""
     raw = read_config_json(hf_dir)
     where = str(Path(hf_dir) / "config.json")
+    from .hybrid_config import hybrid_arch_from_raw, is_hybrid_config
+
+    if is_hybrid_config(raw):
+        return hybrid_arch_from_raw(raw, where)
     unknown = sorted(k for k in raw if k not in FIELD_POLICY)
     if unknown:
         raise UnsupportedConfigError(
@@ -253,7 +261,7 @@ def qwen_arch_from_hf(hf_dir: str | Path) -> QwenArch:
         raise _reject(where, "quantization_config", "...", "load a bf16/fp16/fp32 checkpoint instead")
     if get("use_mrope", False):
         raise _reject(where, "use_mrope", True, "multimodal rope is not supported")
-    if family == "qwen3" and get("attention_bias", False):
+    if family in ("qwen3", "qwen3_moe") and get("attention_bias", False):
         raise _reject(where, "attention_bias", True, "Megatron has no bias-on-o_proj-only option")
     if family.endswith("moe"):
         if get("decoder_sparse_step", 1) != 1:
