@@ -86,6 +86,9 @@ def test_hybrid_flags(kind, hybrid):
         ("qwen3_next", False, {"mlp_only_layers": [1]}, "mlp_only_layers"),
         ("qwen3_5", False, {"linear_num_value_heads": 3}, "linear_num_value_heads"),
         ("qwen3_5", False, {"model_type": "qwen3_next"}, "model_type"),
+        ("qwen3_5_vl", True, {"attn_output_gate": False}, "attn_output_gate"),
+        ("qwen3_5_moe", False, {"architectures": ["Qwen4ExpForCausalLM"]}, "hyper-connections"),
+        ("qwen3_5_moe", False, {"output_gate_type": "sigmoid"}, "output_gate_type"),
     ],
 )
 def test_hybrid_config_errors_name_the_field(kind, text, changes, field, hybrid, tmp_path):

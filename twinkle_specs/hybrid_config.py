@@ -24,6 +24,13 @@ HYBRID_ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "qwen3_5_text", True),
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "qwen3_5_moe_text", True),
 }
+# Built from other blocks: refused with what differs (not mistaken for an unknown architecture).
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    name: "transformers' qwen4_exp is not built from the Qwen3.5 blocks: it adds hyper-connections "
+    "(hc_count residual streams mixed per layer), a QSA token indexer (sparse attention) on full-attention "
+    "layers and a configurable output-gate activation, none of which megatron-core's GPT layers express"
+    for name in ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
+}
 # The multimodal config's own model_type, by family.
 _MULTIMODAL_MODEL_TYPE = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe"}
 
@@ -85,6 +92,15 @@ HYBRID_FIELD_POLICY: dict[str, tuple[str, str]] = {
     "mlp_only_layers": ("checked", "must be empty"),
     "router_aux_loss_coef": ("mapped", "--moe-aux-loss-coeff (load balancing type aux_loss)"),
     "output_router_logits": ("ignored", "inference-time output switch"),
+    "attn_output_gate": (
+        "checked",
+        "must be true (transformers' gated attention has no switch): --attention-output-gate",
+    ),
+    "output_gate_type": ("checked", "must be swish: the SiLU gate of the GDN output norm"),
+    "mamba_ssm_dtype": (
+        "ignored",
+        "inference engines' recurrent-state dtype; training keeps the delta-rule state in fp32 (torch and fla)",
+    ),
     "mtp_num_hidden_layers": (
         "ignored",
         "MTP head: transformers builds none; its mtp.* tensors are left alone",
@@ -110,6 +126,10 @@ MULTIMODAL_FIELD_POLICY: dict[str, tuple[str, str]] = {
     "model_type": ("checked", "qwen3_5 / qwen3_5_moe"),
     "text_config": ("mapped", "the language model: every field by the table above"),
     "vision_config": ("ignored", "vision tower, left alone on purpose (model.visual.* tensors)"),
+    "language_model_only": (
+        "ignored",
+        "whether the checkpoint carries the vision tower: left alone either way",
+    ),
     "image_token_id": ("ignored", "vision placeholder token (tokenizer setting)"),
     "video_token_id": ("ignored", "vision placeholder token (tokenizer setting)"),
     "vision_start_token_id": ("ignored", "vision placeholder token (tokenizer setting)"),
@@ -156,12 +176,14 @@ class HybridArch:
 
 def is_hybrid_config(raw: dict[str, Any]) -> bool:
     archs = raw.get("architectures") or []
-    return len(archs) == 1 and archs[0] in HYBRID_ARCHITECTURES
+    return len(archs) == 1 and (archs[0] in HYBRID_ARCHITECTURES or archs[0] in REFUSED_ARCHITECTURES)
 
 
 def hybrid_arch_from_raw(raw: dict[str, Any], where: str) -> QwenArch:
     """Validates a hybrid Qwen config (already known to name a hybrid architecture) and returns its arch."""
     arch_name = raw["architectures"][0]
+    if arch_name in REFUSED_ARCHITECTURES:
+        raise _reject(where, "architectures", [arch_name], REFUSED_ARCHITECTURES[arch_name])
     family, text_type, multimodal = HYBRID_ARCHITECTURES[arch_name]
     text = raw
     if multimodal:
@@ -192,6 +214,14 @@ def hybrid_arch_from_raw(raw: dict[str, Any], where: str) -> QwenArch:
         )
     if text.get("quantization_config"):
         raise _reject(where, "quantization_config", "...", "load a bf16/fp16/fp32 checkpoint instead")
+    if not get("attn_output_gate", True):
+        raise _reject(
+            where, "attn_output_gate", False, "transformers' Qwen3-Next/Qwen3.5 attention is always gated"
+        )
+    if get("output_gate_type", "swish") != "swish":
+        raise _reject(
+            where, "output_gate_type", text["output_gate_type"], "the GDN output gate is SiLU (swish)"
+        )
     if get("decoder_sparse_step", 1) != 1:
         raise _reject(where, "decoder_sparse_step", text["decoder_sparse_step"], "every layer must be MoE")
     if get("mlp_only_layers", []):
