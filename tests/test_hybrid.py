@@ -110,11 +110,43 @@ def test_qwen3_moe_attention_bias_is_refused(checkpoints, tmp_path):
 
 def test_hybrid_tp_must_divide_linear_heads(hybrid):
     with pytest.raises(
-        ValueError, match="linear_num_key_heads=2 is not divisible by tensor_model_parallel_size=4"
+        ValueError, match="linear_num_key_heads=2 is not divisible by tensor_model_parallel_size=4: "
     ):
         ts.transformer_config_from_hf(
             hybrid("qwen3_5"), tensor_model_parallel_size=4, num_attention_heads=8, num_query_groups=4
         )
+
+
+def test_layer_types_default_from_full_attention_interval(hybrid, tmp_path):
+    """Without layer_types, transformers' rule: one full-attention layer every full_attention_interval."""
+    src = hybrid("qwen3_5_vl")
+    edited = tmp_path / "edited"
+    shutil.copytree(src, edited)
+    cfg = json.loads((edited / "config.json").read_text())
+    del cfg["text_config"]["layer_types"]
+    cfg["text_config"]["full_attention_interval"] = 2
+    (edited / "config.json").write_text(json.dumps(cfg))
+    assert _flag(ts.megatron_args_from_hf(edited), "--linear-attention-freq") == "[1,0,1,0]"
+
+
+def test_mtp_head_is_left_alone_and_written_back(hybrid, megatron_single, tmp_path):
+    """A checkpoint's MTP head (mtp.*, unused by transformers too) is left alone by its rule, shown in the
+    load report, and export writes it back byte-identical."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "with-mtp"
+    shutil.copytree(hybrid("qwen3_next"), src)
+    mtp = {"mtp.fc.weight": torch.randn(48, 96).to(torch.bfloat16), "mtp.norm.weight": torch.ones(48)}
+    save_file(
+        load_file(src / "model.safetensors") | mtp, src / "model.safetensors", metadata={"format": "pt"}
+    )
+    model = ts.build_model(src, load_weights=False)
+    report = ts.load_hf_weights(model, src)
+    assert dict(report.left_alone) == {"mtp.": 2} and "mtp.*: 2 tensors" in str(report)
+    ts.save_hf_weights(model, tmp_path / "export")
+    exported = _load_all(tmp_path / "export")
+    for name, t in mtp.items():
+        assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
 
 
 def test_every_saved_hybrid_field_has_a_policy(hybrid):

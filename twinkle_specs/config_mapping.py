@@ -321,14 +321,22 @@ def transformer_config_from_hf(hf_dir: str | Path, **overrides: Any):
         kwargs.setdefault(
             "moe_token_dispatcher_type", "alltoall" if torch.cuda.is_available() else "allgather"
         )
-    gdn_heads = ("linear_num_key_heads", "linear_num_value_heads") if arch.hybrid is not None else ()
-    for name in ("num_attention_heads", "num_query_groups", *gdn_heads):
+    for name in ("num_attention_heads", "num_query_groups"):
         tp = kwargs.get("tensor_model_parallel_size", 1)
         if kwargs[name] % tp:
             raise ValueError(
                 f"{Path(hf_dir) / 'config.json'}: {name}={kwargs[name]} is not divisible by "
                 f"tensor_model_parallel_size={tp}; choose a TP size that divides both the attention heads "
                 f"({arch.num_attention_heads}) and the KV groups ({arch.num_query_groups})."
+            )
+    for name in ("linear_num_key_heads", "linear_num_value_heads") if arch.hybrid is not None else ():
+        tp = kwargs.get("tensor_model_parallel_size", 1)
+        if kwargs[name] % tp:
+            raise ValueError(
+                f"{Path(hf_dir) / 'config.json'}: {name}={kwargs[name]} is not divisible by "
+                f"tensor_model_parallel_size={tp}: megatron-core splits the Gated DeltaNet heads over TP; "
+                f"choose a TP size that divides its key ({arch.hybrid.num_key_heads}) and value "
+                f"({arch.hybrid.num_value_heads}) heads."
             )
     config = TransformerConfig(**kwargs)
     for name, value in yarn_attrs.items():
