@@ -229,7 +229,7 @@ def qwen_arch_from_hf(hf_dir: str | Path) -> QwenArch:
     """Validates a checkpoint's config.json against :data:`FIELD_POLICY` and returns its QwenArch."""
     raw = read_config_json(hf_dir)
     where = str(Path(hf_dir) / "config.json")
-    from .hybrid_config import hybrid_arch_from_raw, is_hybrid_config
+    from .hybrid_config import HYBRID_ARCHITECTURES, hybrid_arch_from_raw, is_hybrid_config
 
     if is_hybrid_config(raw):
         return hybrid_arch_from_raw(raw, where)
@@ -241,7 +241,8 @@ def qwen_arch_from_hf(hf_dir: str | Path) -> QwenArch:
         )
     archs = raw.get("architectures") or []
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise _reject(where, "architectures", archs, f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        supported = sorted(SUPPORTED_ARCHITECTURES) + sorted(HYBRID_ARCHITECTURES)
+        raise _reject(where, "architectures", archs, f"supported: {supported}")
     arch = archs[0]
     family = SUPPORTED_ARCHITECTURES[arch]
     if raw.get("model_type", family) != family:
