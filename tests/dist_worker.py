@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--tokens", help="a torch.save'd [b, s] token tensor (default: models.batch())")
     args = ap.parse_args()
 
     from megatron.core import parallel_state as ps
@@ -45,7 +46,7 @@ def main() -> None:
     (out / f"load-{rank}.json").write_text(
         json.dumps({"bytes_read": report.bytes_read, "checkpoint_bytes": report.checkpoint_bytes})
     )
-    tokens = batch().to("cuda" if on_gpu else "cpu")
+    tokens = (torch.load(args.tokens) if args.tokens else batch()).to("cuda" if on_gpu else "cpu")
     pos = torch.arange(tokens.shape[1]).expand_as(tokens)
     with torch.no_grad():
         if not ps.is_pipeline_first_stage():

@@ -9,6 +9,18 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 INDEX_NAME = "model.safetensors.index.json"
+_ITEMSIZE = {
+    "F64": 8,
+    "I64": 8,
+    "F32": 4,
+    "I32": 4,
+    "BF16": 2,
+    "F16": 2,
+    "I16": 2,
+    "U8": 1,
+    "I8": 1,
+    "BOOL": 1,
+}
 SINGLE_NAME = "model.safetensors"
 
 # How to load non-finite weights on purpose, from each entry point.
@@ -134,6 +146,11 @@ class CheckpointReader:
     def dtype(self, name: str) -> str:
         """The safetensors dtype of ``name`` ("BF16", "F32", "I32", ...), from the header."""
         return self._handle(name).get_slice(name).get_dtype()
+
+    def nbytes(self, name: str) -> int:
+        """Size of tensor ``name`` in its stored dtype (from the header; nothing is read)."""
+        sl = self._handle(name).get_slice(name)
+        return int(torch.Size(sl.get_shape()).numel()) * _ITEMSIZE[sl.get_dtype()]
 
     def read(self, name: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> torch.Tensor:
         """Rows [r0, r1) or columns [c0, c1) of tensor ``name`` (or all of it)."""

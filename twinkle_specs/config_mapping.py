@@ -18,7 +18,7 @@ from .hf_config import QwenArch, UnsupportedConfigError, qwen_arch_from_hf
 
 SPEC_FLAGS = ["--spec", "twinkle_specs", "qwen_layer_spec"]
 # GPTModel arguments, not TransformerConfig fields (build_model passes them from the QwenArch).
-GPT_MODEL_ARGS = ("max_position_embeddings", "rotary_base", "position_embedding_type")
+GPT_MODEL_ARGS = ("max_position_embeddings", "rotary_base", "position_embedding_type", "rotary_percent")
 # Megatron-LM's YaRN flags (--position-embedding-type yarn, ...) exist from core_v0.19 on. megatron-core's
 # own YaRN settings are config attributes that GPTModel and the attention read with getattr (not dataclass
 # fields): transformer_config_from_hf sets them on the TransformerConfig after it is built (0.16 and 0.19).
@@ -157,6 +157,8 @@ def _settings(arch: QwenArch) -> list[Setting]:
         s.append(Setting(["--bf16"], {"bf16": True, "params_dtype": torch.bfloat16}, "dtype"))
     elif arch.dtype == "float16":
         s.append(Setting(["--fp16"], {"fp16": True, "params_dtype": torch.float16}, "dtype"))
+    if arch.hybrid is not None:
+        s = _with_hybrid(s, _hybrid_settings(arch))
     if not arch.is_moe:
         return s + [Setting([], source="architectures", governs=("--num-experts",))]
     s += [
@@ -214,6 +216,63 @@ def _settings(arch: QwenArch) -> list[Setting]:
         )
     )
     return s
+
+
+def _hybrid_settings(arch: QwenArch) -> list[Setting]:
+    """Qwen3-Next / Qwen3.5: Gated DeltaNet layers where ``layer_types`` says linear_attention (megatron-core's
+    ``linear_attention_freq`` list, 1 = linear), gated full attention, zero-centred norms, partial RoPE.
+    TE's fused RoPE is left off (--no-rope-fusion), as in megatron-core's own Qwen3-Next recipes."""
+    h = arch.hybrid
+    assert h is not None
+    pattern = "[" + ",".join(str(v) for v in h.linear_attention_pattern) + "]"
+    return [
+        Setting(["--apply-layernorm-1p"], {"layernorm_zero_centered_gamma": True}, "model_type"),
+        Setting(["--attention-output-gate"], {"attention_output_gate": True}, "attn_output_gate"),
+        Setting(
+            ["--rotary-percent", repr(h.rotary_percent), "--no-rope-fusion"],
+            {"rotary_percent": h.rotary_percent},
+            "partial_rotary_factor",
+        ),
+        Setting(
+            [
+                "--experimental-attention-variant",
+                "gated_delta_net",
+                "--linear-attention-freq",
+                pattern,
+                "--linear-conv-kernel-dim",
+                str(h.conv_kernel),
+                "--linear-key-head-dim",
+                str(h.key_head_dim),
+                "--linear-value-head-dim",
+                str(h.value_head_dim),
+                "--linear-num-key-heads",
+                str(h.num_key_heads),
+                "--linear-num-value-heads",
+                str(h.num_value_heads),
+            ],
+            {
+                "experimental_attention_variant": "gated_delta_net",
+                "linear_attention_freq": h.linear_attention_pattern,
+                "linear_conv_kernel_dim": h.conv_kernel,
+                "linear_key_head_dim": h.key_head_dim,
+                "linear_value_head_dim": h.value_head_dim,
+                "linear_num_key_heads": h.num_key_heads,
+                "linear_num_value_heads": h.num_value_heads,
+            },
+            "layer_types",
+        ),
+    ]
+
+
+def _with_hybrid(settings: list[Setting], hybrid: list[Setting]) -> list[Setting]:
+    """The hybrid facts added, and the flags they set no longer ruled out by the dense table's entries
+    (which require Megatron's default for them: no other Qwen has gated or linear attention)."""
+    set_here = {f for h in hybrid for f in h.arch_flags}
+    kept = [
+        Setting(s.flags, s.config, s.source, tuple(f for f in s.governs if f not in set_here))
+        for s in settings
+    ]
+    return kept + hybrid
 
 
 def _rope_setting(arch: QwenArch) -> Setting:
@@ -331,7 +390,7 @@ def _config_fields(arch: QwenArch) -> dict[str, Any]:
     for setting in _settings(arch):
         fields.update(setting.config)
     for name in GPT_MODEL_ARGS:
-        fields.pop(name)
+        fields.pop(name, None)
     return fields
 
 
@@ -400,6 +459,15 @@ def transformer_config_from_hf(hf_dir: str | Path, **overrides: Any):
                 f"{Path(hf_dir) / 'config.json'}: {name}={kwargs[name]} is not divisible by "
                 f"tensor_model_parallel_size={tp}; choose a TP size that divides both the attention heads "
                 f"({arch.num_attention_heads}) and the KV groups ({arch.num_query_groups})."
+            )
+    for name in ("linear_num_key_heads", "linear_num_value_heads") if arch.hybrid is not None else ():
+        tp = kwargs.get("tensor_model_parallel_size", 1)
+        if kwargs[name] % tp:
+            raise ValueError(
+                f"{Path(hf_dir) / 'config.json'}: {name}={kwargs[name]} is not divisible by "
+                f"tensor_model_parallel_size={tp}: megatron-core splits the Gated DeltaNet heads over TP; "
+                f"choose a TP size that divides its key ({arch.hybrid.num_key_heads}) and value "
+                f"({arch.hybrid.num_value_heads}) heads."
             )
     config = TransformerConfig(**kwargs)
     for name, value in yarn_attrs.items():

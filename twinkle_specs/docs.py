@@ -30,7 +30,37 @@ def config_fields_markdown() -> str:
         "Megatron-LM core_v0.19+ (`--position-embedding-type yarn`), and `megatron_args_from_hf` / the\n"
         "launcher raise on an older megatron-core. `--no-rope-fusion` comes with them: TE's fused RoPE\n"
         "cannot apply the factor (it falls back to the unfused path on `bshd` and drops it on packed `thd`).\n\n"
-        "| key | rope types | Megatron / reason |\n|---|---|---|\n" + rope_rows + "\n"
+        "| key | rope types | Megatron / reason |\n|---|---|---|\n" + rope_rows + "\n" + _hybrid_markdown()
+    )
+
+
+def _hybrid_markdown() -> str:
+    from .hybrid_config import (
+        HYBRID_FIELD_POLICY,
+        HYBRID_ROPE_KEY_POLICY,
+        LEFT_ALONE,
+        MULTIMODAL_FIELD_POLICY,
+    )
+
+    def table(policy: dict[str, tuple[str, str]]) -> str:
+        rows = "\n".join(f"| `{k}` | {p} | {what} |" for k, (p, what) in sorted(policy.items()))
+        return "| field | policy | Megatron / reason |\n|---|---|---|\n" + rows + "\n"
+
+    rope = "\n".join(f"| `{k}` | {what} |" for k, what in HYBRID_ROPE_KEY_POLICY.items())
+    left = "\n".join(f"| `{p}*` | {why} |" for p, why in LEFT_ALONE.items())
+    return (
+        "\n## Hybrid models: Qwen3-Next, Qwen3.5, Qwen3.5-MoE\n\n"
+        "`Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, and the multimodal\n"
+        "`Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` (whose language model is read\n"
+        "from `text_config`). Generated from `twinkle_specs.hybrid_config.HYBRID_FIELD_POLICY`.\n\n"
+        + table(HYBRID_FIELD_POLICY)
+        + "\n### Top level of the multimodal Qwen3.5 configs\n\n"
+        + table(MULTIMODAL_FIELD_POLICY)
+        + "\n### rope_parameters keys (hybrid models)\n\n| key | Megatron / reason |\n|---|---|\n"
+        + rope
+        + "\n\n### Checkpoint tensors left alone by rule\n\n"
+        "Counted per rule in the load report and copied back byte-identical by export.\n\n"
+        "| tensors | rule |\n|---|---|\n" + left + "\n"
     )
 
 

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from safetensors.torch import save_file
 
-from .checkpoint import INDEX_NAME
+from .checkpoint import INDEX_NAME, CheckpointReader
 from .hf_config import QwenArch, qwen_arch_from_hf
+from .left_alone import left_alone
 from .output_dir import staged_output
 from .parallel import bindings, model_chunks, tp_info
 from .weight_map import hf_tensor_shapes
@@ -151,6 +152,19 @@ def _write_hf(model, out: Path, src: Path, dtype: torch.dtype | None, max_shard_
             size = 0
         shards[-1].append(name)
         size += nbytes
+    # Tensors a named rule leaves alone (vision tower, MTP head) follow in their own shards, as read.
+    with CheckpointReader(src) as reader:
+        left = {n: reader.nbytes(n) for n in sorted(left_alone(reader.keys(), arch))}
+    first_left = len(shards)
+    if left:
+        shards.append([])
+        size = 0
+    for name, nbytes in left.items():
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     shard_of = {n: i for i, names in enumerate(shards) for n in names}
 
@@ -190,7 +204,12 @@ def _write_hf(model, out: Path, src: Path, dtype: torch.dtype | None, max_shard_
                 )
         for _ in produced:  # rank 0's generator may still hold duplicates (tied weights)
             pass
-        total = sum(itemsize * int(torch.Size(shapes[n]).numel()) for n, _ in order)
+        if left:
+            with CheckpointReader(src) as reader:
+                for i in range(first_left, len(shards)):
+                    tensors = {n: reader.read(n, None, None) for n in shards[i]}
+                    save_file(tensors, str(out / files[i]), metadata={"format": "pt"})
+        total = sum(itemsize * int(torch.Size(shapes[n]).numel()) for n, _ in order) + sum(left.values())
         (out / INDEX_NAME).write_text(
             json.dumps(
                 {

@@ -13,7 +13,10 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .hybrid_config import HybridArch
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
@@ -221,6 +224,7 @@ class QwenArch:
     shared_expert_intermediate_size: int | None = None
     moe_aux_loss_coeff: float = 0.0
     yarn: YarnRope | None = None
+    hybrid: HybridArch | None = None  # Qwen3-Next / Qwen3.5: see hybrid_config
 
     @property
     def is_moe(self) -> bool:
@@ -252,6 +256,10 @@ def qwen_arch_from_hf(hf_dir: str | Path) -> QwenArch:
     """Validates a checkpoint's config.json against :data:`FIELD_POLICY` and returns its QwenArch."""
     raw = read_config_json(hf_dir)
     where = str(Path(hf_dir) / "config.json")
+    from .hybrid_config import HYBRID_ARCHITECTURES, hybrid_arch_from_raw, is_hybrid_config
+
+    if is_hybrid_config(raw):
+        return hybrid_arch_from_raw(raw, where)
     unknown = sorted(k for k in raw if k not in FIELD_POLICY)
     if unknown:
         raise UnsupportedConfigError(
@@ -260,7 +268,8 @@ def qwen_arch_from_hf(hf_dir: str | Path) -> QwenArch:
         )
     archs = raw.get("architectures") or []
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise _reject(where, "architectures", archs, f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        supported = sorted(SUPPORTED_ARCHITECTURES) + sorted(HYBRID_ARCHITECTURES)
+        raise _reject(where, "architectures", archs, f"supported: {supported}")
     arch = archs[0]
     family = SUPPORTED_ARCHITECTURES[arch]
     if raw.get("model_type", family) != family:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 
 from .checkpoint import NONFINITE_ENV, CheckpointError, CheckpointReader
 from .hf_config import qwen_arch_from_hf, read_config_json
+from .left_alone import describe, left_alone
 from .parallel import bindings, model_chunks, tp_info
 from .weight_map import hf_tensor_shapes
 
@@ -26,22 +28,29 @@ class LoadReport:
     bytes_read: int = 0
     checkpoint_bytes: int = 0
     conversions: Counter = field(default_factory=Counter)
+    left_alone: Counter = field(default_factory=Counter)  # rule (name prefix) -> tensors it left alone
 
     def __str__(self) -> str:
         conv = ", ".join(f"{k}: {v}" for k, v in sorted(self.conversions.items())) or "none"
-        return (
+        text = (
             f"loaded {self.parameters} parameters, read {self.bytes_read / 2**20:.1f} MiB of a "
             f"{self.checkpoint_bytes / 2**20:.1f} MiB checkpoint; dtype conversions: {conv}"
         )
+        if self.left_alone:
+            text += f"; left alone by rule: {describe(self.left_alone)}"
+        return text
 
 
 # Safetensors dtypes a weight may have (each is cast to the parameter's dtype, and reported).
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
-def check_checkpoint(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) -> None:
-    """Strictness: every expected tensor present with its shape and a float dtype, no tensor unused."""
-    keys = reader.keys()
+def check_checkpoint(
+    reader: CheckpointReader, expected: dict[str, tuple[int, ...]], left: Iterable[str] = ()
+) -> None:
+    """Strictness: every expected tensor present with its shape and a float dtype, and no tensor left
+    unused except those a named rule leaves alone (``left``, see :mod:`.left_alone`)."""
+    keys = reader.keys() - set(left)
     missing = sorted(set(expected) - keys)
     unused = sorted(keys - set(expected))
     if missing:
@@ -79,7 +88,9 @@ def load_hf_weights(model, hf_dir: str | Path, *, allow_nonfinite: bool | None =
     arch = qwen_arch_from_hf(hf_dir)
     report = LoadReport()
     with CheckpointReader(hf_dir, allow_nonfinite=allow_nonfinite) as reader:
-        check_checkpoint(reader, hf_tensor_shapes(arch))
+        left = left_alone(reader.keys(), arch)
+        check_checkpoint(reader, hf_tensor_shapes(arch), left)
+        report.left_alone.update(left.values())
         report.checkpoint_bytes = reader.total_bytes()
         for binding, param in bindings(model, arch):
             info = tp_info(binding.expert)

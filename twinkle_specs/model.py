@@ -11,6 +11,7 @@ from megatron.core.models.gpt import GPTModel
 
 from .config_mapping import transformer_config_from_hf
 from .hf_config import qwen_arch_from_hf
+from .hybrid_spec import hybrid_block_spec
 from .loading import load_hf_weights
 from .lora import LoraConfig, prepare_lora_model
 from .patches import apply_all as apply_patches
@@ -56,9 +57,12 @@ def build_model(
             model_parallel_cuda_manual_seed(seed)  # TE/TP weight init draws from the model-parallel RNG
     if lora is not None:
         config.lora = lora  # read by qwen_layer_submodules
+    layer_spec: Any = qwen_layer_spec
+    if arch.hybrid is not None:  # zero-centred final norm: a block spec (hybrid_spec.hybrid_block_spec)
+        layer_spec = hybrid_block_spec(config, qwen_layer_spec, vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=qwen_layer_spec,
+        transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(arch.vocab_size, ps.get_tensor_model_parallel_world_size()),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
@@ -67,6 +71,7 @@ def build_model(
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type=arch.position_embedding_type,  # rope, or yarn (config.yarn_*)
         rotary_base=arch.rotary_base,
+        rotary_percent=arch.hybrid.rotary_percent if arch.hybrid is not None else 1.0,
         vp_stage=vp_stage,
     )
     if torch.cuda.is_available():

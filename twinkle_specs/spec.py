@@ -25,6 +25,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from .hybrid_spec import hybrid_layer_submodules, is_hybrid
+
 
 class SDPACoreAttention(MegatronModule):
     """Core attention on ``torch.nn.functional.scaled_dot_product_attention``.
@@ -106,8 +108,9 @@ def _megatron_layer_submodules(config: TransformerConfig) -> TransformerLayerSub
     )
 
 
-def qwen_layer_submodules(config: TransformerConfig) -> TransformerLayerSubmodules:
-    """The submodules of one Qwen layer for ``config`` (LoRA wrappers added when configured)."""
+def qwen_layer_submodules(config: TransformerConfig, layer_index: int = 0) -> TransformerLayerSubmodules:
+    """The submodules of layer ``layer_index`` (0-based, global) for ``config`` (LoRA wrappers added when
+    configured); hybrid models (Gated DeltaNet) choose linear or full attention per layer."""
     if config.normalization != "RMSNorm" or not config.gated_linear_unit or config.add_bias_linear:
         raise ValueError(
             "qwen_layer_spec expects a Qwen config: --normalization RMSNorm --swiglu --disable-bias-linear "
@@ -115,6 +118,13 @@ def qwen_layer_submodules(config: TransformerConfig) -> TransformerLayerSubmodul
         )
     submodules = _megatron_layer_submodules(config)
     lora = getattr(config, "lora", None)
+    if is_hybrid(config):
+        if lora is not None:
+            raise NotImplementedError(
+                "LoRA on the hybrid Qwen models (Gated DeltaNet layers) is not implemented yet; "
+                "train them without --lora"
+            )
+        return hybrid_layer_submodules(submodules, config, layer_index)
     if lora is not None:
         from .lora.spec import lora_layer_submodules
 
@@ -129,10 +139,24 @@ class QwenTransformerLayer(TransformerLayer):
         self,
         config: TransformerConfig,
         submodules: TransformerLayerSubmodules | None = None,
+        layer_number: int = 1,
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        super().__init__(config, submodules or qwen_layer_submodules(config), *args, **kwargs)
+        if submodules is None:
+            submodules = qwen_layer_submodules(config, _global_layer_index(config, layer_number, kwargs))
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+
+
+def _global_layer_index(config: TransformerConfig, layer_number: int, kwargs: dict[str, Any]) -> int:
+    """0-based index in the whole model of the stage-local, 1-based ``layer_number`` (as TransformerLayer
+    computes its own ``layer_number``)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.core.utils import get_pg_rank
+
+    pg = kwargs.get("pg_collection") or ProcessGroupCollection.use_mpu_process_groups()
+    return layer_number - 1 + get_transformer_layer_offset(config, kwargs.get("vp_stage"), get_pg_rank(pg.pp))
 
 
 qwen_layer_spec = ModuleSpec(module=QwenTransformerLayer)

@@ -239,7 +239,14 @@ def bind(
 ) -> Binding:
     """Finds the rule for megatron parameter ``name`` and fills in global layer/expert indices."""
     canon = canonical_name(name)
-    for pattern, rule in _COMPILED:
+    compiled = _COMPILED
+    if arch.hybrid is not None:
+        from .weight_map_hybrid import COMPILED_HYBRID, HYBRID_ALIASES
+
+        compiled = COMPILED_HYBRID
+        for pattern, repl in HYBRID_ALIASES:
+            canon = pattern.sub(repl, canon)
+    for pattern, rule in compiled:
         m = pattern.match(canon)
         if not m:
             continue
@@ -251,9 +258,12 @@ def bind(
         hf = rule.hf
         if rule.megatron.startswith(r"output_layer") and arch.tie_word_embeddings:
             hf = ("model.embed_tokens.weight",)
-        return Binding(
-            name, tuple(t.format(**fields) for t in hf), rule.layout(arch, padded_vocab), rule.expert
-        )
+        names = tuple(t.format(**fields) for t in hf)
+        if arch.hybrid is not None:
+            from .weight_map_hybrid import hf_names
+
+            names = hf_names(arch, rule, names)
+        return Binding(name, names, rule.layout(arch, padded_vocab), rule.expert)
     raise KeyError(
         f"megatron parameter {name!r} has no Hugging Face source in twinkle_specs.weight_map.RULES; "
         "refusing to leave it randomly initialised"
@@ -262,6 +272,14 @@ def bind(
 
 def hf_tensor_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of ``arch`` holds, with its shape."""
+    if arch.hybrid is not None:
+        from .weight_map_hybrid import hybrid_tensor_shapes
+
+        return hybrid_tensor_shapes(arch, _shared_tensor_shapes(arch))
+    return _shared_tensor_shapes(arch)
+
+
+def _shared_tensor_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
     h, d = arch.hidden_size, arch.kv_channels
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (arch.vocab_size, h),

@@ -1,0 +1,200 @@
+"""Gated DeltaNet (the linear-attention layer of Qwen3-Next / Qwen3.5) that also runs without a GPU.
+
+megatron-core's :class:`~megatron.core.ssm.gated_delta_net.GatedDeltaNet` refuses to exist without
+``flash-linear-attention`` and places its parameters on CUDA. :class:`PortableGatedDeltaNet` keeps its
+parameters, their layout (``in_proj`` rows [q; k; v; z; beta; alpha] of this TP rank, ``conv1d`` over
+[q; k; v], ``dt_bias``, ``A_log``, ``out_norm``, ``out_proj``), its distributed-checkpoint sharding and
+its gated output norm, and chooses the kernels per call: fla's chunked gated delta rule and
+``causal-conv1d`` on CUDA tensors when they are installed, otherwise megatron-core's torch reference of
+the chunked rule and a depthwise ``conv1d`` (the portable path, as the SDPA core attention is for
+attention). The output norm multiplies by ``w`` (not ``1 + w``), as transformers' ``RMSNormGated`` does,
+whatever ``layernorm_zero_centered_gamma`` says for the model's other norms.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule as torch_chunk_rule
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's (and transformers') L2 normalisation of q and k, in fp32."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt((x32 * x32).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _fla_rule():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def _causal_conv1d():
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except ImportError:
+        return None
+    return causal_conv1d_fn
+
+
+class PlainRMSNorm(torch.nn.Module):
+    """``x / rms(x) * w`` in fp32 (the GDN output norm: never zero-centred)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(
+            x.dtype
+        )
+
+
+class PortableGatedDeltaNet(GatedDeltaNet):
+    """megatron-core's GatedDeltaNet with device-independent construction and kernels (module docstring)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: GatedDeltaNetSubmodules,
+        layer_number: int | None = None,
+        pg_collection=None,
+        **_: object,
+    ) -> None:
+        MegatronModule.__init__(self, config)
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.layer_number, self.pg_collection = layer_number, pg_collection
+        self.bias, self.conv_bias, self.use_qk_l2norm = False, False, True
+        self.tp_size = pg_collection.tp.size()
+        self.sp_size = self.tp_size if config.sequence_parallel else 1
+        self.hidden_size = config.hidden_size
+        self.act_fn = config.activation_func
+        self.activation = self.act_fn.__name__
+        self.conv_kernel_dim = config.linear_conv_kernel_dim
+        self.key_head_dim, self.value_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.num_key_heads, self.num_value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.qk_dim = self.key_head_dim * self.num_key_heads
+        self.v_dim = self.value_head_dim * self.num_value_heads
+        self.in_proj_dim = self.qk_dim * 2 + self.v_dim * 2 + self.num_value_heads * 2
+        self.in_proj = build_module(
+            submodules.in_proj,
+            self.hidden_size,
+            self.in_proj_dim,
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=False,
+            skip_bias_add=False,
+            is_expert=False,
+            tp_comm_buffer_name="fc1",
+            tp_group=pg_collection.tp,
+        )
+        self.conv_dim = self.qk_dim * 2 + self.v_dim
+        self.conv_dim_local_tp = self.conv_dim // self.tp_size
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self.conv1d = torch.nn.Conv1d(
+            self.conv_dim_local_tp,
+            self.conv_dim_local_tp,
+            bias=False,
+            kernel_size=self.conv_kernel_dim,
+            groups=self.conv_dim_local_tp,
+            padding=self.conv_kernel_dim - 1,
+            device=device,
+            dtype=config.params_dtype,
+        )
+        self.num_v_heads_local_tp = self.num_value_heads // self.tp_size
+        self.dt_bias = torch.nn.Parameter(
+            torch.ones(self.num_v_heads_local_tp, dtype=config.params_dtype, device=device)
+        )
+        self.A_log = torch.nn.Parameter(
+            torch.zeros(self.num_v_heads_local_tp, dtype=config.params_dtype, device=device)
+        )
+        for p in (self.conv1d.weight, self.dt_bias, self.A_log):
+            p.tensor_model_parallel = True
+            p.partition_dim = 0
+        self.out_norm = build_module(
+            submodules.out_norm, config=config, hidden_size=self.value_head_dim, eps=config.layernorm_epsilon
+        )
+        self.out_proj = build_module(
+            submodules.out_proj,
+            self.v_dim,
+            self.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=False,
+            tp_comm_buffer_name="fc2",
+            tp_group=pg_collection.tp,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **kwargs):
+        """[s, b, h] -> ([s, b, h], None). Causal by construction: the attention mask is not used."""
+        if packed_seq_params is not None or kwargs.get("inference_context") is not None:
+            raise NotImplementedError("Gated DeltaNet: packed sequences and inference are not supported")
+        qkvzba, _ = self.in_proj(hidden_states)
+        qkvzba = qkvzba.transpose(0, 1)  # [b, s, x]
+        batch, seq_len = qkvzba.shape[:2]
+        tp = self.tp_size
+        qkv, gate, beta, alpha = torch.split(
+            qkvzba,
+            [self.conv_dim // tp, self.v_dim // tp, self.num_value_heads // tp, self.num_value_heads // tp],
+            dim=-1,
+        )
+        qkv = qkv.transpose(1, 2).contiguous()  # [b, d, s]
+        conv = _causal_conv1d() if qkv.is_cuda and not self.config.deterministic_mode else None
+        if conv is None:
+            qkv = self.act_fn(self.conv1d(qkv)[..., :seq_len])
+        else:
+            qkv = conv(x=qkv, weight=self.conv1d.weight.squeeze(1), bias=None, activation=self.activation)
+        query, key, value = torch.split(
+            qkv.transpose(1, 2), [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1
+        )
+        query = query.reshape(batch, seq_len, -1, self.key_head_dim)
+        key = key.reshape(batch, seq_len, -1, self.key_head_dim)
+        value = value.reshape(batch, seq_len, -1, self.value_head_dim).contiguous()
+        repeat = self.num_value_heads // self.num_key_heads
+        if repeat > 1:
+            query, key = (t.repeat_interleave(repeat, dim=2) for t in (query, key))
+        g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)
+        beta = beta.sigmoid()
+        rule = _fla_rule() if query.is_cuda and not self.config.deterministic_mode else None
+        if rule is None:
+            out, _ = torch_chunk_rule(
+                l2norm(query).contiguous(), l2norm(key).contiguous(), value, g=g, beta=beta.contiguous()
+            )
+        else:
+            out, _ = rule(
+                query.contiguous(),
+                key.contiguous(),
+                value,
+                g=g,
+                beta=beta.contiguous(),
+                use_qk_l2norm_in_kernel=True,
+            )
+        out = self._apply_gated_norm(out, gate.reshape(batch, seq_len, -1, self.value_head_dim))
+        out = out.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()
+        return self.out_proj(out)
+
+    def _apply_gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """megatron-core's gated norm; compiled (its ``jit_fuser``) only on CUDA, where compiling pays."""
+        if x.is_cuda:
+            return GatedDeltaNet._apply_gated_norm(self, x, gate)
+        y = self.out_norm(x.reshape(-1, x.shape[-1]))
+        return (y * self.act_fn(gate.reshape(-1, gate.shape[-1]).float())).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        """Weights come from the checkpoint; the random init of megatron-core's module needs CUDA."""
