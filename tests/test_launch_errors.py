@@ -48,6 +48,8 @@ def _refused(capsys, argv: list[str]) -> str:
         (["--lora-rank", "8", "--lora-target", ","], ["argument --lora-target: ','", "no module named"]),
         (["--lora-alpha", "32"], ["--lora-alpha need(s) --lora-rank R"]),
         (["--lora-rank", "0", "--lora-target", "q_proj"], ["--lora-target need(s) --lora-rank R"]),
+        (["--hf-export-on-save"], ["--hf-export-on-save needs --hf-export DIR"]),
+        (["--lora-rank", "4", "--hf-export-merged"], ["--hf-export-merged needs --hf-export DIR"]),
     ],
 )
 def test_bad_lora_flags_name_the_flag(checkpoints, capsys, flags, needles):

@@ -500,6 +500,9 @@ def main(argv: list[str] | None = None) -> None:
         refuse("--hf-model DIR is required (a Hugging Face Qwen checkpoint)")
     elif lora_only and not pre.lora_rank:
         refuse(f"{', '.join(lora_only)} need(s) --lora-rank R (R > 0); without it every parameter trains")
+    elif (pre.hf_export_merged or pre.hf_export_on_save) and not pre.hf_export:
+        flag = "--hf-export-merged" if pre.hf_export_merged else "--hf-export-on-save"
+        refuse(f"{flag} needs --hf-export DIR (where to write the Hugging Face checkpoint)")
     else:
         try:
             flags = merge_flags(pre.hf_model, user)
