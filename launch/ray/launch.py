@@ -192,25 +192,32 @@ class RankWorker:
             return int(s.getsockname()[1])
 
     def start(self, cmd: list[str], env: dict[str, str], cwd: str, log_path: str | None) -> dict[str, Any]:
-        """Starts the rank; ``{"pid": ...}``, or ``{"error": ...}`` when its log file cannot be opened."""
+        """Starts the rank; ``{"pid": ...}``, or ``{"error": ...}`` when its log file cannot be opened or
+        its command not started (a configuration error: restarting cannot help)."""
         log = None
         if log_path:
             try:
                 Path(log_path).parent.mkdir(parents=True, exist_ok=True)
                 log = open(log_path, "a", buffering=1)  # noqa: SIM115 - closed by _pump
             except OSError as e:
-                return {"error": f"cannot write {log_path} on {socket.gethostname()}: {e.strerror or e}"}
+                return {"error": f"--log-dir: cannot write {log_path}: {_os_reason(e)}"}
         full_env = {**os.environ, **env}
-        self.proc = subprocess.Popen(
-            cmd,
-            env=full_env,
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                cmd,
+                env=full_env,
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as e:
+            self._close(log)
+            return {
+                "error": f"cannot run {shlex.join(cmd[:1])} in --workdir {cwd}: {e.strerror or e} ({e.filename})"
+            }
         self.pump = threading.Thread(target=self._pump, args=(log,), daemon=True)
         self.pump.start()
         return {"pid": self.proc.pid}
@@ -439,7 +446,7 @@ class Group:
         started = ray.get(starts, timeout=60)
         for r, res in zip(self.ranks, started, strict=True):
             if "error" in res:
-                raise LaunchError(f"--log-dir: rank {r.rank}: {res['error']}")
+                raise LaunchError(f"rank {r.rank} on {r.info['hostname']} ({r.info['ip']}): {res['error']}")
         for r, res in zip(self.ranks, started, strict=True):
             log(
                 f"rank {r.rank} (node {r.node_rank} {r.info['ip']}, local rank {r.local_rank}): "
@@ -566,8 +573,14 @@ def check_log_dir(log_dir: str) -> None:
     except OSError as e:
         where = f" ({e.filename})" if e.filename and str(e.filename) != log_dir else ""
         raise LaunchError(
-            f"--log-dir {log_dir} is not writable{where}: {e.strerror or e}; choose a directory you can write"
+            f"--log-dir {log_dir} is not writable{where}: {_os_reason(e)}; choose a directory you can write"
         ) from e
+
+
+def _os_reason(e: OSError) -> str:
+    if isinstance(e, (FileExistsError, NotADirectoryError)):  # mkdir below a regular file
+        return f"{e.strerror} (a part of the path is a file, not a directory)"
+    return str(e.strerror or e)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -401,9 +401,14 @@ def test_rank_whose_log_cannot_be_written_is_stopped_not_blocked(tmp_path: Path)
     assert "writing its log /dev/full failed" in res["error"] and "No space left" in res["error"], res
     # A log directory that cannot be created on the rank's node: the rank is not started.
     (tmp_path / "file").write_text("x")
-    assert (
-        "cannot write" in worker.start(chatty, {}, str(tmp_path), str(tmp_path / "file" / "r.log"))["error"]
-    )
+    res = worker.start(chatty, {}, str(tmp_path), str(tmp_path / "file" / "r.log"))
+    assert res["error"].startswith(f"--log-dir: cannot write {tmp_path / 'file' / 'r.log'}: "), res
+    assert "a part of the path is a file, not a directory" in res["error"], res
+    # A command or --workdir that does not exist: named, not started.
+    res = worker.start(["/no/such/python"], {}, str(tmp_path), None)
+    assert res["error"].startswith(f"cannot run /no/such/python in --workdir {tmp_path}: No such file"), res
+    res = worker.start(chatty, {}, str(tmp_path / "nope"), None)
+    assert f"in --workdir {tmp_path / 'nope'}: No such file or directory" in res["error"], res
 
 
 def test_command_building() -> None:
