@@ -462,7 +462,7 @@ def install_hooks() -> None:
     GPTModel.__init__ = _wrap_gpt_init(GPTModel.__init__)
 
 
-CONFIG_ERROR_EXIT = 2  # bad flags or inputs: the Slurm script does not requeue a job that exits with it
+CONFIG_ERROR_EXIT = 2  # bad flags or inputs (argparse's code too): restarting the job cannot help
 LORA_ONLY_FLAGS = ("--lora-alpha", "--lora-dropout", "--lora-target", "--lora-rslora")
 
 

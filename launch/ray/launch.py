@@ -215,8 +215,9 @@ class RankWorker:
             )
         except OSError as e:
             self._close(log)
+            culprit = f" ({e.filename})" if e.filename else ""
             return {
-                "error": f"cannot run {shlex.join(cmd[:1])} in --workdir {cwd}: {e.strerror or e} ({e.filename})"
+                "error": f"cannot run {shlex.join(cmd[:1])} in --workdir {cwd}: {e.strerror or e}{culprit}"
             }
         self.pump = threading.Thread(target=self._pump, args=(log,), daemon=True)
         self.pump.start()
