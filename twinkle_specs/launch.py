@@ -27,11 +27,13 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import math
 import os
 import runpy
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -58,18 +60,66 @@ class LaunchError(ValueError):
     """The command line cannot describe a run of this checkpoint."""
 
 
+def _lora_rank(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use a positive whole number (the LoRA rank), or 0 for none"
+        )
+    return value
+
+
+def _lora_alpha(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: use a positive number (default: 2 * --lora-rank)")
+    return value
+
+
+def _lora_dropout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r}: use a probability in [0, 1), e.g. 0.05")
+    return value
+
+
+def _lora_target(text: str) -> str:
+    from .lora.config import HF_MODULES, MEGATRON_MODULES
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    allowed = ("all-linear", *HF_MODULES, *MEGATRON_MODULES)
+    unknown = [t for t in names if t not in allowed]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'no module named'}; use "
+            f"comma-separated names from {', '.join(allowed)}"
+        )
+    return text
+
+
 def add_twinkle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """twinkle-specs' flags, registered in Megatron's own parser."""
     g = parser.add_argument_group("twinkle-specs (Hugging Face Qwen)")
     g.add_argument(
         "--hf-model", type=str, default=None, help="Hugging Face Qwen checkpoint directory to start from"
     )
-    g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank r; 0 trains every parameter")
-    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 * rank)")
-    g.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout on the adapter input")
+    g.add_argument("--lora-rank", type=_lora_rank, default=0, help="LoRA rank r; 0 trains every parameter")
+    g.add_argument("--lora-alpha", type=_lora_alpha, default=None, help="LoRA alpha (default: 2 * rank)")
+    g.add_argument(
+        "--lora-dropout", type=_lora_dropout, default=0.0, help="LoRA dropout on the adapter input"
+    )
     g.add_argument(
         "--lora-target",
-        type=str,
+        type=_lora_target,
         default="all-linear",
         help="comma-separated HF (q_proj,...,down_proj) or Megatron (linear_qkv,...) names, or all-linear",
     )
@@ -529,24 +579,53 @@ def install_hooks() -> None:
     GPTModel.__init__ = _wrap_gpt_init(GPTModel.__init__)
 
 
+CONFIG_ERROR_EXIT = 2  # bad flags or inputs (argparse's code too): restarting the job cannot help
+LORA_ONLY_FLAGS = ("--lora-alpha", "--lora-dropout", "--lora-target", "--lora-rslora")
+
+
+def refuse(message: str) -> NoReturn:
+    """Ends the run on a configuration error: one line, exit code 2, and the message in
+    $TWINKLE_CONFIG_ERROR_FILE when set (the Slurm script reads it to tell such an error from a crash)."""
+    print(f"twinkle_specs.launch: error: {message}", file=sys.stderr, flush=True)
+    marker = os.environ.get("TWINKLE_CONFIG_ERROR_FILE")
+    if marker:
+        try:
+            Path(marker).write_text(message + "\n")
+        except OSError:
+            pass  # the exit code still says it
+    raise SystemExit(CONFIG_ERROR_EXIT)
+
+
+class _OwnFlagsParser(argparse.ArgumentParser):
+    """Parses twinkle-specs' flags ahead of Megatron; a bad value is one line naming flag and choices."""
+
+    def error(self, message: str) -> NoReturn:
+        refuse(message)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
-        raise SystemExit(
-            "usage: python -m twinkle_specs.launch <Megatron-LM>/pretrain_gpt.py --hf-model DIR [flags]"
-        )
+        refuse("usage: python -m twinkle_specs.launch <Megatron-LM>/pretrain_gpt.py --hf-model DIR [flags]")
     script, user = argv[0], argv[1:]
-    pre = add_twinkle_args(argparse.ArgumentParser(add_help=False)).parse_known_args(user)[0]
+    pre = add_twinkle_args(_OwnFlagsParser(add_help=False)).parse_known_args(user)[0]
+    given = {w.split("=", 1)[0] for w in user}
+    lora_only = [f for f in LORA_ONLY_FLAGS if f in given]
     if "-h" in user or "--help" in user:
         flags = user  # Megatron's --help, with twinkle-specs' flags listed
     elif not pre.hf_model:
-        raise SystemExit("twinkle_specs.launch: --hf-model DIR is required (a Hugging Face Qwen checkpoint)")
+        refuse("--hf-model DIR is required (a Hugging Face Qwen checkpoint)")
+    elif lora_only and not pre.lora_rank:
+        refuse(f"{', '.join(lora_only)} need(s) --lora-rank R (R > 0); without it every parameter trains")
+    elif (pre.hf_export_merged or pre.hf_export_on_save) and not pre.hf_export:
+        flag = "--hf-export-merged" if pre.hf_export_merged else "--hf-export-on-save"
+        refuse(f"{flag} needs --hf-export DIR (where to write the Hugging Face checkpoint)")
     else:
         try:
             flags = merge_flags(pre.hf_model, user)
             check_hf_export(user)
         except (LaunchError, ValueError, FileNotFoundError) as err:
-            raise SystemExit(f"twinkle_specs.launch: error: {err}") from err
+            refuse(str(err))
     script_dir = str(Path(script).resolve().parent)
     if script_dir not in sys.path:
         sys.path.insert(0, script_dir)  # the script imports its siblings (gpt_builders, model_provider)
@@ -555,7 +634,14 @@ def main(argv: list[str] | None = None) -> None:
     apply_patches()
     install_hooks()
     sys.argv = [script, *flags]
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except LaunchError as err:  # raised by the hooks, e.g. a tokenizer that does not fit the checkpoint
+        refuse(str(err))
+    except SystemExit as err:
+        if err.code == CONFIG_ERROR_EXIT and _RUN is None:  # Megatron's argparse refused a flag (said above)
+            refuse("Megatron-LM's argument parser refused the command line (its message is above)")
+        raise
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,49 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_ranks(
+    world: int, env: dict[str, str], logs: Path, timeout: float | None
+) -> tuple[list[str], list[int | None]]:
+    """Runs the ``convert`` ranks; returns each one's output and exit code (None: stopped here).
+
+    Output goes to files, not pipes: a rank blocked on a full pipe that nobody reads would stall the
+    collective save of every other rank. The first rank to fail stops the others (they would wait for it
+    in a collective until gloo's timeout)."""
+    procs, files = [], []
+    for rank in range(world):
+        log = open(logs / f"rank-{rank}.log", "wb")  # noqa: SIM115 - closed below
+        files.append(log)
+        procs.append(
+            subprocess.Popen(
+                # -c, not -m: dist_checkpointing's writer starts a "spawn" multiprocessing Manager,
+                # which re-imports a -m/-file __main__ (seconds of megatron imports per rank).
+                [sys.executable, "-c", "from twinkle_specs.megatron_checkpoint import main; main()"],
+                env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(code is not None for code in codes) or any(codes):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise MegatronCheckpointError(f"convert: ranks did not finish within {timeout}s")
+            time.sleep(0.1)
+    finally:
+        stopped = [p.poll() is None for p in procs]
+        for p, stop in zip(procs, stopped, strict=True):
+            if stop:
+                p.kill()
+            p.wait()
+        for log in files:
+            log.close()
+    outputs = [(logs / f"rank-{r}.log").read_text(errors="replace") for r in range(world)]
+    return outputs, [None if stop else p.returncode for p, stop in zip(procs, stopped, strict=True)]
+
+
 def convert(
     hf_dir: str | Path,
     save: str | Path,
@@ -229,35 +273,14 @@ def _run_convert_ranks(
             OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
             TWINKLE_CONVERT_JOB=json.dumps(job),
         )
-        procs = [
-            subprocess.Popen(
-                # -c, not -m: dist_checkpointing's writer starts a "spawn" multiprocessing Manager,
-                # which re-imports a -m/-file __main__ (seconds of megatron imports per rank).
-                [sys.executable, "-c", "from twinkle_specs.megatron_checkpoint import main; main()"],
-                env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for rank in range(world)
-        ]
-        outputs = []
-        for proc in procs:
-            try:
-                out, _ = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                raise MegatronCheckpointError(f"convert: ranks did not finish within {timeout}s") from None
-            outputs.append(out)
+        outputs, codes = _run_ranks(world, env, Path(tmp), timeout)
         errors = sorted(Path(tmp).glob("error-*.txt"))
         if errors:
             raise MegatronCheckpointError(f"convert failed: {errors[0].read_text().strip()}")
-        failed = [r for r, p in enumerate(procs) if p.returncode]
+        failed = [r for r, code in enumerate(codes) if code]
         if failed:
             raise MegatronCheckpointError(
-                f"convert: rank {failed[0]} exited with {procs[failed[0]].returncode}:\n"
-                f"{outputs[failed[0]][-4000:]}"
+                f"convert: rank {failed[0]} exited with {codes[failed[0]]}:\n{outputs[failed[0]][-4000:]}"
             )
 
 

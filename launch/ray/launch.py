@@ -172,6 +172,7 @@ class RankWorker:
         self.pump: threading.Thread | None = None
         self.fresh: list[str] = []  # lines not yet fetched by the driver (read())
         self.lock = threading.Lock()
+        self.error: str | None = None  # why the output could not be drained; the rank was stopped
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -190,39 +191,68 @@ class RankWorker:
             s.bind(("", 0))
             return int(s.getsockname()[1])
 
-    def start(self, cmd: list[str], env: dict[str, str], cwd: str, log_path: str | None) -> int:
-        full_env = {**os.environ, **env}
-        self.proc = subprocess.Popen(
-            cmd,
-            env=full_env,
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        self.pump = threading.Thread(target=self._pump, args=(log_path,), daemon=True)
-        self.pump.start()
-        return self.proc.pid
-
-    def _pump(self, log_path: str | None) -> None:
-        """Collect the child's output for the driver to fetch; the driver prints it, so no line is lost
-        to Ray's asynchronous log forwarding when the group ends."""
-        assert self.proc is not None and self.proc.stdout is not None
-        f = None
+    def start(self, cmd: list[str], env: dict[str, str], cwd: str, log_path: str | None) -> dict[str, Any]:
+        """Starts the rank; ``{"pid": ...}``, or ``{"error": ...}`` when its log file cannot be opened or
+        its command not started (a configuration error: restarting cannot help)."""
+        log = None
         if log_path:
-            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-            f = open(log_path, "a", buffering=1)  # noqa: SIM115
+            try:
+                Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+                log = open(log_path, "a", buffering=1)  # noqa: SIM115 - closed by _pump
+            except OSError as e:
+                return {"error": f"--log-dir: cannot write {log_path}: {_os_reason(e)}"}
+        full_env = {**os.environ, **env}
+        try:
+            self.proc = subprocess.Popen(
+                cmd,
+                env=full_env,
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as e:
+            self._close(log)
+            culprit = f" ({e.filename})" if e.filename else ""
+            return {
+                "error": f"cannot run {shlex.join(cmd[:1])} in --workdir {cwd}: {e.strerror or e}{culprit}"
+            }
+        self.pump = threading.Thread(target=self._pump, args=(log,), daemon=True)
+        self.pump.start()
+        return {"pid": self.proc.pid}
+
+    def _pump(self, log: Any) -> None:
+        """Collect the child's output for the driver to fetch; the driver prints it, so no line is lost
+        to Ray's asynchronous log forwarding when the group ends.
+
+        The pipe is drained to the end whatever happens: a rank whose output nobody reads blocks forever.
+        A log that cannot be written (full disk, quota) stops the rank, and the driver reports why."""
+        assert self.proc is not None and self.proc.stdout is not None
         for raw in self.proc.stdout:
             line = raw.decode(errors="replace").rstrip("\n")
             with self.lock:
                 self.tail.append(line)
                 self.fresh.append(line)
-            if f:
-                f.write(line + "\n")
-        if f:
-            f.close()
+            if log is None:
+                continue
+            try:
+                log.write(line + "\n")
+            except Exception as e:  # noqa: BLE001 - any failure: stop the rank, keep draining
+                self.error = f"writing its log {log.name} failed ({e}); the rank was stopped"
+                self._close(log)
+                log = None
+                threading.Thread(target=self.stop, args=(3.0,), daemon=True).start()
+        self._close(log)
+
+    @staticmethod
+    def _close(log: Any) -> None:
+        if log is not None:
+            try:
+                log.close()
+            except OSError:
+                pass  # already reported by the failed write
 
     def read(self) -> list[str]:
         with self.lock:
@@ -234,7 +264,7 @@ class RankWorker:
         rc = self.proc.wait()
         if self.pump:
             self.pump.join(timeout=5)
-        return {"rc": rc, "tail": list(self.tail)}
+        return {"rc": rc, "tail": list(self.tail), "error": self.error}
 
     def stop(self, grace: float) -> None:
         """SIGTERM the rank's process group, SIGKILL what is left after ``grace`` seconds."""
@@ -414,11 +444,14 @@ class Group:
                 str(Path(a.log_dir) / f"attempt_{self.attempt}" / f"rank_{r.rank}.log") if a.log_dir else None
             )
             starts.append(r.actor.start.remote(self.cmd, env, a.workdir, log_path))
-        pids = ray.get(starts, timeout=60)
-        for r, pid in zip(self.ranks, pids, strict=True):
+        started = ray.get(starts, timeout=60)
+        for r, res in zip(self.ranks, started, strict=True):
+            if "error" in res:
+                raise LaunchError(f"rank {r.rank} on {r.info['hostname']} ({r.info['ip']}): {res['error']}")
+        for r, res in zip(self.ranks, started, strict=True):
             log(
                 f"rank {r.rank} (node {r.node_rank} {r.info['ip']}, local rank {r.local_rank}): "
-                f"actor pid {r.info['pid']}, process pid {pid}"
+                f"actor pid {r.info['pid']}, process pid {res['pid']}"
             )
         waits = {r.actor.wait.remote(): r for r in self.ranks}
         try:
@@ -464,6 +497,8 @@ class Group:
                     )
                 except (RayError, GetTimeoutError) as e:
                     return 1, f"{where} failed inside Ray: {_first_line(e)}"
+                if res["error"]:
+                    return 1, f"{where}: {res['error']}"
                 rc = res["rc"]
                 if rc != 0:
                     how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
@@ -528,6 +563,27 @@ def connect(args: argparse.Namespace) -> None:
     ray.init(**kwargs)
 
 
+def check_log_dir(log_dir: str) -> None:
+    """Creates --log-dir and writes a file there, so an unwritable one fails here in one line instead of in
+    every rank (a rank whose output cannot be logged would otherwise block on its full pipe)."""
+    probe = Path(log_dir) / f".launch-write-check.{os.getpid()}"
+    try:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) != log_dir else ""
+        raise LaunchError(
+            f"--log-dir {log_dir} is not writable{where}: {_os_reason(e)}; choose a directory you can write"
+        ) from e
+
+
+def _os_reason(e: OSError) -> str:
+    if isinstance(e, (FileExistsError, NotADirectoryError)):  # mkdir below a regular file
+        return f"{e.strerror} (a part of the path is a file, not a directory)"
+    return str(e.strerror or e)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the group, restart it from the latest checkpoint up to --max-restarts times."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -538,6 +594,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.log_dir:
+        try:
+            check_log_dir(args.log_dir)
+        except LaunchError as e:
+            print(f"launch.py: error: {e}", file=sys.stderr)
+            return 2
 
     def on_term(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")

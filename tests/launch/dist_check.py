@@ -54,6 +54,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fail-rank", type=int, default=-1, help="this rank kills itself once ...")
     p.add_argument("--fail-at-iter", type=int, default=-1, help="... at this iteration (first run only)")
     p.add_argument("--raise-rank", type=int, default=-1, help="this rank exits with code 3 at start")
+    p.add_argument("--print-kib", type=int, default=0, help="print this many KiB at start (chatty ranks)")
     args, _unknown = p.parse_known_args(argv)
     return args
 
@@ -86,6 +87,9 @@ def main(argv: list[str]) -> int:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     (out / f"pid_rank_{rank}").write_text(str(os.getpid()))
+    for _ in range(args.print_kib):
+        print("dist_check: " + "x" * 1010, flush=False)
+    sys.stdout.flush()
     if rank == args.raise_rank:
         print(f"dist_check: rank {rank} raising on purpose (--raise-rank)", file=sys.stderr, flush=True)
         return 3

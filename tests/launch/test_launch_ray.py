@@ -339,6 +339,24 @@ def test_max_restarts_resumes_from_checkpoint(cluster: str, tmp_path: Path) -> N
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
 
 
+def test_unwritable_log_dir_is_refused_at_once(cluster: str, tmp_path: Path) -> None:
+    """--log-dir below a regular file (unwritable for root too) with chatty ranks: a clear error within
+    seconds, not ranks blocked forever on output nobody drains."""
+    (tmp_path / "file").write_text("not a directory")
+    log_dir = tmp_path / "file" / "logs"
+    t0 = time.monotonic()
+    res = _launch(
+        cluster,
+        ["--nodes", "1", "--procs-per-node", "2", "--log-dir", str(log_dir)],
+        [str(DIST_CHECK), "--out", str(tmp_path / "out"), "--print-kib", "256"],
+        timeout=90,
+    )
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"launch.py: error: --log-dir {log_dir} is not writable" in res.stderr, res.stderr
+    assert "Not a directory" in res.stderr
+    assert time.monotonic() - t0 < 30
+
+
 def test_restarts_exhausted_exit_non_zero(cluster: str, tmp_path: Path) -> None:
     res = _launch(
         cluster,
@@ -360,6 +378,37 @@ def _module():
     sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_rank_whose_log_cannot_be_written_is_stopped_not_blocked(tmp_path: Path) -> None:
+    """The log fills the disk mid-run (/dev/full: every write fails with ENOSPC, for root too) while the
+    rank prints 512 KiB: the rank is stopped and wait() says why, instead of the rank blocking on its pipe."""
+    import threading
+
+    m = _module()
+    worker = m.RankWorker()
+    chatty = [sys.executable, "-c", "import time\nfor _ in range(512): print('x' * 1023)\ntime.sleep(60)"]
+    assert worker.start(chatty, {}, str(tmp_path), "/dev/full")["pid"] > 0
+    res: dict = {}
+    waiter = threading.Thread(target=lambda: res.update(worker.wait()), daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)
+    try:
+        assert not waiter.is_alive(), "the rank blocked on its undrained output"
+    finally:
+        worker.stop(0.5)
+    assert res["rc"] != 0 and res["error"] is not None, res
+    assert "writing its log /dev/full failed" in res["error"] and "No space left" in res["error"], res
+    # A log directory that cannot be created on the rank's node: the rank is not started.
+    (tmp_path / "file").write_text("x")
+    res = worker.start(chatty, {}, str(tmp_path), str(tmp_path / "file" / "r.log"))
+    assert res["error"].startswith(f"--log-dir: cannot write {tmp_path / 'file' / 'r.log'}: "), res
+    assert "a part of the path is a file, not a directory" in res["error"], res
+    # A command or --workdir that does not exist: named, not started.
+    res = worker.start(["/no/such/python"], {}, str(tmp_path), None)
+    assert res["error"].startswith(f"cannot run /no/such/python in --workdir {tmp_path}: No such file"), res
+    res = worker.start(chatty, {}, str(tmp_path / "nope"), None)
+    assert f"in --workdir {tmp_path / 'nope'}: No such file or directory" in res["error"], res
 
 
 def test_command_building() -> None:

@@ -369,6 +369,19 @@ def test_time_limit_signal_checkpoints_and_requeues(slurm: Slurm, tmp_path: Path
         assert 2 <= rec["start_iteration"] < 8 and rec["end_iteration"] == 8
 
 
+def test_configuration_error_fails_without_requeue(slurm: Slurm, tmp_path: Path) -> None:
+    """The launcher refuses the command (no --hf-model, exit code 2): the job fails once with that message
+    instead of being requeued MAX_REQUEUES times as if a rank had crashed."""
+    standin = REPO / "tests" / "standin" / "standin_pretrain_gpt.py"
+    prog = [sys.executable, "-m", "twinkle_specs.launch", str(standin), "--lora-rank", "4"]
+    job = _submit(slurm, tmp_path, ["--cpus-per-task=2"], prog, NPROC_PER_NODE="1", MAX_REQUEUES="3")
+    info = slurm.wait_done(job, timeout=150)
+    log = _job_log(tmp_path)
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", (info, log)
+    assert "configuration error, not requeueing" in log and "--hf-model DIR is required" in log, log
+    assert "requeueing job" not in log, log
+
+
 def test_container_without_pyxis_is_refused(slurm: Slurm, tmp_path: Path) -> None:
     """CONTAINER_IMAGE on a cluster without pyxis: the job fails at once and says why."""
     job = _submit(

@@ -181,6 +181,7 @@ class LoraConfig:
         if raw.get("peft_type", "LORA") != "LORA":
             raise ValueError(f"{path}: peft_type {raw['peft_type']!r} is not LORA")
         unsupported = {
+            "bias": "none",  # trained biases: Megatron's LoRA holds factors only
             "use_dora": False,
             "fan_in_fan_out": False,
             "lora_bias": False,
