@@ -1,19 +1,32 @@
 #!/usr/bin/env bash
-# The test command: set up (idempotent), lint, then the CPU test suite. GPU tests skip themselves here.
-# Set-up is the main job's (scripts/setup.sh), the dev/test extras, and two system packages for the
-# launch-script tests: a real Slurm (Debian's slurm-wlm daemons + client, started by
-# tests/launch/test_launch_slurm.py; only the three packages the tests run, without the dozens of
-# -dev/-plugin recommends of the slurm-wlm metapackage) and shellcheck (the sbatch script's lint).
-# Those need root and apt-get; otherwise the tests that use them skip and say why.
+# The test command: set up (idempotent), lint, then the CPU test suite on both supported megatron-core lines.
+#   leg 0.16: this machine's python3 (Python 3.11) with megatron-core 0.16.1 (scripts/setup.sh);
+#   leg 0.19: Python 3.12 in .venv-mcore019 with megatron-core 0.19.x, whose wheel also ships
+#             megatron/training, so the tests against Megatron-LM's own parser and checkpoint loader run.
+# `--leg 0.16` or `--leg 0.19` runs one leg; other arguments go to pytest. GPU tests skip themselves here.
+# Set-up adds the dev/test extras and two system packages for the launch-script tests: a real Slurm
+# (Debian's slurm-wlm daemons + client, started by tests/launch/test_launch_slurm.py; only the three
+# packages the tests run, without the dozens of -dev/-plugin recommends of the slurm-wlm metapackage) and
+# the shellcheck linter (for the sbatch script). Those need root and apt-get; otherwise the tests that use them
+# skip and say why. Python 3.12 is $PYTHON312, else python3.12 on PATH, else pyenv's newest 3.12.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+legs=(0.16 0.19)
+pytest_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --leg) legs=("$2"); shift 2;;
+    *) pytest_args+=("$1"); shift;;
+  esac
+done
 py=${PYTHON:-python3}
-bash scripts/setup.sh
-$py -m pip install -q -e ".[dev,ray,bench]"
-missing=()
-PATH="$PATH:/usr/sbin:/sbin" command -v slurmctld >/dev/null 2>&1 || missing+=(slurmctld slurmd slurm-client)
-command -v shellcheck >/dev/null 2>&1 || missing+=(shellcheck)
-if [ ${#missing[@]} -gt 0 ]; then
+MCORE_019=0.19.2
+
+system_packages() {
+  local missing=()
+  PATH="$PATH:/usr/sbin:/sbin" command -v slurmctld >/dev/null 2>&1 || missing+=(slurmctld slurmd slurm-client)
+  command -v shellcheck >/dev/null 2>&1 || missing+=(shellcheck)
+  [ ${#missing[@]} -eq 0 ] && return
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       "${missing[@]}" >/dev/null) \
@@ -21,6 +34,54 @@ if [ ${#missing[@]} -gt 0 ]; then
   else
     echo "test: ${missing[*]} missing and apt-get/root is not available; the tests that need them will skip" >&2
   fi
+}
+
+python312() {
+  if [ -n "${PYTHON312:-}" ]; then echo "$PYTHON312"; return; fi
+  if command -v python3.12 >/dev/null 2>&1; then command -v python3.12; return; fi
+  local root
+  root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+  # shellcheck disable=SC2012  # version folder names, newest last
+  ls -d "$root"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1
+}
+
+# Leg 0.19's environment: torch 2.13 from PyPI (the CUDA build; the tests run it on the CPU), megatron-core
+# 0.19.x and this checkout, editable, with the same extras as leg 0.16.
+setup_019() {
+  local base venv=.venv-mcore019
+  base=$(python312)
+  if [ -z "$base" ]; then
+    echo "test: leg 0.19 needs Python 3.12: set PYTHON312, or put python3.12 on PATH" >&2
+    return 1
+  fi
+  [ -x "$venv/bin/python" ] || "$base" -m venv "$venv" >&2
+  if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+    "$venv/bin/python" -m pip install -q torch==2.13.0 >&2
+  fi
+  "$venv/bin/python" -m pip install -q "megatron-core==$MCORE_019" -e ".[dev,ray,bench]" >&2
+  echo "$venv/bin/python"
+}
+
+system_packages
+failed=()
+for leg in "${legs[@]}"; do
+  case "$leg" in
+    0.16)
+      bash scripts/setup.sh
+      $py -m pip install -q -e ".[dev,ray,bench]"
+      $py -m ruff check .
+      echo "== leg 0.16: $($py --version), megatron-core $($py -c 'import megatron.core as m; print(m.__version__)')"
+      $py -m pytest -q -rs "${pytest_args[@]}" || failed+=(0.16)
+      ;;
+    0.19)
+      py019=$(setup_019)
+      echo "== leg 0.19: $($py019 --version), megatron-core $($py019 -c 'import megatron.core as m; print(m.__version__)')"
+      $py019 -m pytest -q -rs "${pytest_args[@]}" || failed+=(0.19)
+      ;;
+    *) echo "test: unknown leg $leg (0.16 or 0.19)" >&2; exit 2;;
+  esac
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "test: failed on leg(s) ${failed[*]}" >&2
+  exit 1
 fi
-$py -m ruff check .
-$py -m pytest -q -rs "$@"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from site import getsitepackages as sitepackages
 
 import pytest
 import tomllib
@@ -94,14 +95,22 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     assert {n for n in names if not n.startswith(info)} == expected
     assert {"twinkle_specs/lora/spec.py", "twinkle_specs/defaults/qwen3-tiny/config.json"} <= names
 
+    # A fresh venv that sees this environment's packages (torch, megatron-core, ...) through a .pth of its
+    # site directories: --system-site-packages would see the base interpreter's instead, which inside a
+    # venv (the CI's Python 3.12 leg) holds none of them. Directories named in a .pth are not scanned for
+    # .pth files, so an editable install of this checkout there stays inactive.
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], cwd=tmp_path)
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
     python, bin_dir = venv / "bin" / "python", venv / "bin"
-    _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)], cwd=tmp_path)
     site = Path(
         _run(
             [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], tmp_path
         ).stdout.strip()
+    )
+    (site / "parent_environment.pth").write_text("\n".join(sitepackages()) + "\n")
+    _run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+        cwd=tmp_path,
     )
 
     work = tmp_path / "elsewhere"

@@ -115,6 +115,17 @@ class PortableGatedDeltaNet(GatedDeltaNet):
             dtype=config.params_dtype,
         )
         self.num_v_heads_local_tp = self.num_value_heads // self.tp_size
+        # megatron-core 0.19's sharded_state_dict splits in_proj's rows by these (0.16 by its own sizes).
+        self.qk_dim_local_tp, self.v_dim_local_tp = self.qk_dim // self.tp_size, self.v_dim // self.tp_size
+        self.in_proj_split_names = ["query", "key", "value", "z", "beta", "alpha"]
+        self.in_proj_split_sections = (
+            self.qk_dim_local_tp,
+            self.qk_dim_local_tp,
+            self.v_dim_local_tp,
+            self.v_dim_local_tp,
+            self.num_v_heads_local_tp,
+            self.num_v_heads_local_tp,
+        )
         self.dt_bias = torch.nn.Parameter(
             torch.ones(self.num_v_heads_local_tp, dtype=config.params_dtype, device=device)
         )

@@ -11,10 +11,13 @@ the model keeps its own value."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import io
 import pickle
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,13 +119,26 @@ def _is_plain_name(rel: object) -> bool:
 
 
 def read_common(ckpt_dir: str | Path) -> dict:
-    """``common.pt`` (args, iteration, ...) through ``torch.load(weights_only=True)``: megatron-core
-    registers the classes it stores there (argparse.Namespace, its enums) as safe globals."""
+    """The common state (args, iteration, ...) without running code: ``common.pt`` (megatron-core 0.16's
+    format) through ``torch.load(weights_only=True)`` (megatron-core registers the classes it stores
+    there, argparse.Namespace and its enums, as safe globals); from 0.19 on, the ``common_state`` object
+    inside the torch_dist files, which megatron-core reads with ``weights_only=True`` itself, from a
+    staged copy whose ``.metadata`` passed :func:`read_metadata`'s checks."""
     import megatron.core  # noqa: F401 - registers megatron's safe globals with torch
 
     path = Path(ckpt_dir) / COMMON_NAME
     if not path.is_file():
-        raise UnsafeCheckpointError(f"{path}: missing (every torch_dist checkpoint has one)")
+        try:
+            from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+        except ImportError:
+            raise UnsafeCheckpointError(f"{path}: missing (every torch_dist checkpoint has one)") from None
+        with _staged(ckpt_dir) as stage:
+            try:
+                return load_common_state_dict(str(stage))
+            except Exception as err:  # noqa: BLE001 - a missing or garbled object raises anything
+                raise UnsafeCheckpointError(
+                    f"{ckpt_dir}: no common.pt and no readable common_state in the torch_dist files ({err})"
+                ) from err
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
@@ -130,6 +146,28 @@ def read_common(ckpt_dir: str | Path) -> dict:
         raise UnsafeCheckpointError(
             f"{path}: refusing to load it: it holds objects other than plain values ({first})"
         ) from err
+
+
+@contextlib.contextmanager
+def _staged(ckpt_dir: str | Path) -> Iterator[Path]:
+    """A temporary directory standing for ``ckpt_dir`` that torch and megatron read instead: ``.metadata``
+    and ``common.pt`` as the bytes just checked (a file replaced meanwhile is never read), the tensor
+    files as links."""
+    ckpt_dir = Path(ckpt_dir)
+    data = (ckpt_dir / METADATA_NAME).read_bytes()
+    _parse_metadata(data, ckpt_dir / METADATA_NAME)
+    with tempfile.TemporaryDirectory(prefix="twinkle-checkpoint-") as tmp:
+        stage = Path(tmp)
+        (stage / METADATA_NAME).write_bytes(data)
+        common = ckpt_dir / COMMON_NAME
+        if common.is_file():
+            common_bytes = common.read_bytes()
+            (stage / COMMON_NAME).write_bytes(common_bytes)
+            read_common(stage)
+        for path in ckpt_dir.iterdir():
+            if path.name not in (METADATA_NAME, COMMON_NAME):
+                (stage / path.name).symlink_to(path.absolute())
+        yield stage
 
 
 def _common_strategy():
@@ -161,17 +199,8 @@ def load_dist_checkpoint(sharded: dict, ckpt_dir: str | Path) -> dict:
     checkpoint read unchecked (see the module docstring)."""
     from megatron.core import dist_checkpointing
 
-    ckpt_dir = Path(ckpt_dir)
-    data = (ckpt_dir / METADATA_NAME).read_bytes()
-    _parse_metadata(data, ckpt_dir / METADATA_NAME)
-    # torch unpickles .metadata again itself: it gets the bytes just checked, in a directory of links to
-    # the other files, so a .metadata replaced meanwhile is never read.
-    with tempfile.TemporaryDirectory(prefix="twinkle-checkpoint-") as tmp:
-        stage = Path(tmp)
-        (stage / METADATA_NAME).write_bytes(data)
-        for path in ckpt_dir.iterdir():
-            if path.name != METADATA_NAME:
-                (stage / path.name).symlink_to(path.absolute())
-        return dist_checkpointing.load(
-            without_sharded_objects(sharded), str(stage), common_strategy=_common_strategy()
-        )
+    # megatron-core 0.16 reads common.pt through a strategy (given ours); 0.19 with weights_only=True itself.
+    takes_strategy = "common_strategy" in inspect.signature(dist_checkpointing.load).parameters
+    extra = {"common_strategy": _common_strategy()} if takes_strategy else {}
+    with _staged(ckpt_dir) as stage:
+        return dist_checkpointing.load(without_sharded_objects(sharded), str(stage), **extra)
