@@ -1,0 +1,61 @@
+"""The hybrid Qwen models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) on a GPU: ``build_model``'s CUDA model (Transformer
+Engine linears and attention; fla's chunked gated delta rule and causal-conv1d where installed) against
+transformers' fp32 logits, in fp32 and bf16, with the bf16 error bounded by transformers' own bf16 error.
+
+Writes the measured statistics to $TWINKLE_EVIDENCE_DIR/hybrid-gpu.json when that is set.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_checks import BF16_ERROR_RATIO, BF16_MIN_COSINE, FP32_MAX_ABS, FP32_MOE_MAX_ABS, Evidence
+from hybrid_models import VOCAB, hybrid_batch, hybrid_hf_logits, make_hybrid_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine"),
+]
+
+EVIDENCE = Evidence("hybrid-gpu.json")
+
+
+@pytest.fixture(scope="module")
+def single_gpu():
+    from twinkle_specs.parity import _init_single_process
+
+    _init_single_process()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hybrid_cuda_path_matches_transformers(kind, dtype, tmp_path_factory, single_gpu):
+    import twinkle_specs as ts
+    from twinkle_specs.parity import compare_logits
+
+    hf = make_hybrid_checkpoint(kind, tmp_path_factory.mktemp("hybrid") / kind)
+    model = ts.build_model(hf, params_dtype=dtype, bf16=dtype == torch.bfloat16, parallel_output=False).eval()
+    tokens = hybrid_batch().cuda()
+    with torch.no_grad():
+        pos = torch.arange(tokens.shape[1], device="cuda").expand_as(tokens)
+        ours = model(tokens, pos, None)[..., :VOCAB].float()
+    truth = hybrid_hf_logits(hf, tokens.cpu()).cuda()  # transformers in fp32 on the host: the reference
+    layers = model.decoder.layers
+    kinds = sorted({f"{type(m.self_attention).__name__}/{type(m.mlp).__name__}" for m in layers})
+    name = f"{kind}-{str(dtype).removeprefix('torch.')}"
+    stats = compare_logits(ours, truth)
+    if dtype == torch.float32:
+        EVIDENCE.record(name, modules=kinds, **stats.as_dict())
+        assert stats.max_abs <= (FP32_MOE_MAX_ABS if "moe" in kind or "next" in kind else FP32_MAX_ABS), stats
+        return
+    from transformers import AutoModelForCausalLM
+
+    ref_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).cuda().eval()
+    with torch.no_grad():
+        ref = ref_model(tokens).logits.float()
+    hf_err = compare_logits(ref, truth)
+    EVIDENCE.record(
+        name, modules=kinds, ours_vs_fp32=stats.as_dict(), transformers_bf16_vs_fp32=hf_err.as_dict()
+    )
+    assert stats.mean_abs <= BF16_ERROR_RATIO * hf_err.mean_abs, (stats, hf_err)
+    assert stats.cosine >= BF16_MIN_COSINE, stats
