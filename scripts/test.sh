@@ -45,8 +45,9 @@ python312() {
   ls -d "$root"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1
 }
 
-# Leg 0.19's environment: torch 2.13 from PyPI (the CUDA build; the tests run it on the CPU), megatron-core
-# 0.19.x and this checkout, editable, with the same extras as leg 0.16.
+# Leg 0.19's environment: torch 2.11 from PyPI (the GPU machine's version; a CUDA build, run on the CPU here;
+# its Triton 3.6 is the one the dev extra pins, where torch 2.13's CUDA build wants 3.7), megatron-core 0.19.x
+# and this checkout, editable, with the same extras as leg 0.16.
 setup_019() {
   local base venv=.venv-mcore019
   base=$(python312)
@@ -56,7 +57,7 @@ setup_019() {
   fi
   [ -x "$venv/bin/python" ] || "$base" -m venv "$venv" >&2
   if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
-    "$venv/bin/python" -m pip install -q torch==2.13.0 >&2
+    "$venv/bin/python" -m pip install -q torch==2.11.0 >&2
   fi
   "$venv/bin/python" -m pip install -q "megatron-core==$MCORE_019" -e ".[dev,ray,bench]" >&2
   echo "$venv/bin/python"
