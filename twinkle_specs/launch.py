@@ -155,11 +155,35 @@ def _flag_groups(flags: list[str]) -> list[list[str]]:
     return groups
 
 
+def _as_number(value: object) -> object:
+    """``value`` as a number where it is one or its text parses as one (``"1e-6"``, ``"1000000.0"``);
+    otherwise unchanged. Switches (bools) stay bools."""
+    if isinstance(value, str):
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+    return value
+
+
+def same_value(a: object, b: object) -> bool:
+    """Whether two flag values say the same thing: numbers compare as numbers (``1e-6`` is ``1e-06``,
+    ``1000000`` is ``1000000.0``, ``0.001`` is ``1e-3``), lists element by element, the rest as they are."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+    a, b = _as_number(a), _as_number(b)
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
+
+
 def merge_flags(hf_dir: str, user: list[str]) -> list[str]:
     """Checkpoint flags + tokenizer flags + the user's, with conflicts reported.
 
     The user's flags come last (argparse keeps the last value), so where they may override they win;
     where they contradict the checkpoint's architecture this raises, naming the flag and both values.
+    Values are compared as numbers where both are (:func:`same_value`).
     """
     given = flag_values(user)
     if "--save" in given and not {"--save-interval", "--persistent-save-interval"} & given.keys():
@@ -179,7 +203,7 @@ def merge_flags(hf_dir: str, user: list[str]) -> list[str]:
             merged += group
             continue
         if flag in given or EXCLUSIVE.get(flag) in given:
-            if flag in OVERRIDABLE or given.get(flag) == values:
+            if flag in OVERRIDABLE or same_value(given.get(flag), values):
                 continue
             raise LaunchError(
                 f"{flag} {' '.join(given[flag])} contradicts the checkpoint {Path(hf_dir) / 'config.json'}, "
@@ -217,7 +241,7 @@ def architecture_conflicts(
                 continue
             seen.add(action.dest)
             given, needed = getattr(args, action.dest, None), getattr(expected, action.dest)
-            if given != needed:
+            if not same_value(given, needed):
                 field = f" (config.json field {setting.source})" if setting.source else ""
                 conflicts.append(
                     f"{flag} gives {action.dest}={given!r} but {config} needs {action.dest}={needed!r}{field}"
