@@ -304,10 +304,7 @@ def _wrap_parse_args(original):
 
         args = original(composed, ignore_unknown_args)
         if args.hf_model:
-            try:
-                check_architecture(args, parsers[-1], args.hf_model)
-            except LaunchError as err:
-                raise SystemExit(f"twinkle_specs.launch: error: {err}") from err
+            check_architecture(args, parsers[-1], args.hf_model)  # a LaunchError ends in main's refuse()
         global _RUN
         _RUN = Run(hf_dir=args.hf_model, lora=_lora_from_args(args))
         return args
@@ -534,6 +531,19 @@ def export(models, out_dir: str | Path, *, merged: bool = False, overwrite: bool
             save_hf_weights(models, staging, hf_dir=_RUN.hf_dir if _RUN else None)
 
 
+def _export_or_refuse(models, out_dir: str | Path, *, merged: bool, overwrite: bool) -> None:
+    """:func:`export`, with a write that fails (read-only, full, over a size limit) turned into a
+    configuration error naming the path and the system's reason (restarting the job cannot help)."""
+    from safetensors import SafetensorError
+
+    from .os_errors import os_error_line
+
+    try:
+        export(models, out_dir, merged=merged, overwrite=overwrite)
+    except (OSError, SafetensorError) as err:
+        raise LaunchError(f"--hf-export: writing the export failed: {os_error_line(err, out_dir)}") from err
+
+
 def _wrap_pretrain(original):
     @functools.wraps(original)
     def pretrain(*args, **kwargs):
@@ -545,7 +555,7 @@ def _wrap_pretrain(original):
         margs = get_args()
         if margs.hf_export and _RUN is not None and _RUN.models:
             if not margs.hf_export_on_save:
-                export(
+                _export_or_refuse(
                     _RUN.models,
                     margs.hf_export,
                     merged=margs.hf_export_merged,
@@ -573,7 +583,7 @@ def _wrap_save_checkpoint(original):
         if margs.hf_export and margs.hf_export_on_save and _RUN is not None and _RUN.models:
             # The checkpoint of this iteration was just (re)written: its export is replaced to match.
             out = Path(margs.hf_export) / f"iter_{iteration:07d}"
-            export(_RUN.models, out, merged=margs.hf_export_merged, overwrite=True)
+            _export_or_refuse(_RUN.models, out, merged=margs.hf_export_merged, overwrite=True)
             _RUN.last_export = out
         return result
 
