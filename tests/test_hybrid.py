@@ -274,3 +274,131 @@ def test_hybrid_convert_and_export(hybrid, tmp_path, megatron_single):
     src, exported = _load_all(hf), _load_all(tmp_path / "hf")
     assert sorted(src) == sorted(exported)
     assert all(torch.equal(t, exported[n]) for n, t in src.items())
+
+
+# Fields transformers' hybrid config classes default: left out, each must read as AutoConfig reads it.
+HYBRID_OPTIONAL = (  # num_key_value_heads stays: the class defaults (2, 4) need not divide the 6 heads
+    "head_dim",
+    "rms_norm_eps",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "initializer_range",
+    "attention_dropout",
+    "shared_expert_intermediate_size",
+    "router_aux_loss_coef",
+    "norm_topk_prob",
+)
+
+
+def _strip(src: Path, dst: Path, fields, text: bool) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    part = cfg["text_config"] if text else cfg
+    for f in fields:
+        part.pop(f, None)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hybrid_config_absent_fields_are_read_as_transformers_reads_them(kind, hybrid, tmp_path):
+    """With the optional fields left out (in text_config for the multimodal model), every architecture
+    fact equals what transformers' own config class resolves (head_dim 256, 16/32 linear heads, ...)."""
+    from transformers import AutoConfig
+
+    from twinkle_specs.hf_config import qwen_arch_from_hf
+
+    stripped = _strip(hybrid(kind), tmp_path / "stripped", HYBRID_OPTIONAL, text=kind == "qwen3_5_vl")
+    arch = qwen_arch_from_hf(stripped)
+    hf = AutoConfig.from_pretrained(stripped)
+    hf = hf.text_config if kind == "qwen3_5_vl" else hf
+    h = arch.hybrid
+    assert arch.kv_channels == hf.head_dim == 256 and arch.num_query_groups == hf.num_key_value_heads
+    assert (h.num_key_heads, h.num_value_heads) == (hf.linear_num_key_heads, hf.linear_num_value_heads)
+    assert (h.key_head_dim, h.value_head_dim) == (hf.linear_key_head_dim, hf.linear_value_head_dim)
+    assert h.conv_kernel == hf.linear_conv_kernel_dim and arch.norm_epsilon == hf.rms_norm_eps
+    assert arch.init_method_std == hf.initializer_range and arch.attention_dropout == hf.attention_dropout
+    assert h.rotary_percent == hf.rope_parameters["partial_rotary_factor"]
+    if arch.is_moe:
+        assert arch.shared_expert_intermediate_size == hf.shared_expert_intermediate_size
+        assert arch.moe_aux_loss_coeff == hf.router_aux_loss_coef
+        assert arch.norm_topk_prob == getattr(hf, "norm_topk_prob", True)
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"num_hidden_layers": 2.7}, r"num_hidden_layers=2\.7 .*must be an integer >= 1"),
+        ({"num_hidden_layers": 0}, r"num_hidden_layers=0 .*must be an integer >= 1"),
+        ({"num_hidden_layers": "abc"}, r"num_hidden_layers='abc' .*must be an integer"),
+        ({"num_hidden_layers": True}, r"num_hidden_layers=True .*must be an integer"),
+        ({"hidden_size": 48.5}, r"hidden_size=48\.5 .*must be an integer"),
+        ({"head_dim": "16"}, r"head_dim='16' .*must be an integer"),
+        ({"vocab_size": 0}, r"vocab_size=0 .*must be an integer >= 1"),
+        ({"linear_num_key_heads": 0}, r"linear_num_key_heads=0 .*must be an integer >= 1"),
+        ({"linear_conv_kernel_dim": 3.5}, r"linear_conv_kernel_dim=3\.5 .*must be an integer"),
+        ({"num_key_value_heads": 4}, r"num_key_value_heads=4 .*must divide num_attention_heads \(6\)"),
+        ({"rms_norm_eps": "abc"}, r"rms_norm_eps='abc' .*must be a number"),
+        ({"rms_norm_eps": 0}, r"rms_norm_eps=0 .*must be a number > 0"),
+        ({"attention_dropout": -0.1}, r"attention_dropout=-0\.1 .*must be a number >= 0"),
+        ({"rope_parameters": {"rope_theta": "abc"}}, r"rope_parameters\.rope_theta='abc' .*must be a number"),
+        ({"tie_word_embeddings": "yes"}, r"tie_word_embeddings='yes' .*must be true or false"),
+        ({"attention_bias": "no"}, r"attention_bias='no' .*must be true or false"),
+        ({"layer_types": None, "full_attention_interval": 0}, r"full_attention_interval=0 .*>= 1"),
+        ({"num_experts": 2.5}, r"num_experts=2\.5 .*must be an integer"),
+        ({"num_experts_per_tok": "2"}, r"num_experts_per_tok='2' .*must be an integer"),
+        ({"norm_topk_prob": 1}, r"norm_topk_prob=1 .*must be true or false"),
+    ],
+)
+@pytest.mark.parametrize("kind", KINDS)
+def test_hybrid_config_bad_values_name_the_field(kind, changes, message, hybrid, tmp_path):
+    moe_only = {"num_experts", "num_experts_per_tok", "norm_topk_prob"}
+    if moe_only & changes.keys() and kind not in ("qwen3_next", "qwen3_5_moe"):
+        pytest.skip("a dense model has no experts")
+    if "norm_topk_prob" in changes and kind != "qwen3_next":
+        pytest.skip("only Qwen3-Next reads norm_topk_prob")
+    bad = _edit(hybrid(kind), tmp_path / "bad", text=kind == "qwen3_5_vl", **changes)
+    where = r"config\.json text_config" if kind == "qwen3_5_vl" else r"config\.json"
+    with pytest.raises(UnsupportedConfigError, match=rf"{where}: {message}") as err:
+        ts.megatron_args_from_hf(bad)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kind,gone",
+    [
+        ("qwen3_5", ["hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads"]),
+        ("qwen3_5_vl", ["vocab_size", "max_position_embeddings", "intermediate_size"]),
+        ("qwen3_5_moe", ["hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size"]),
+        ("qwen3_next", ["num_hidden_layers", "vocab_size", "num_experts", "moe_intermediate_size"]),
+    ],
+)
+def test_hybrid_config_missing_required_fields_are_listed_in_one_error(kind, gone, hybrid, tmp_path):
+    """Shape fields absent or null: one error naming the file and every missing field (transformers
+    would fill them in from its class, the sizes of an 80B model)."""
+    text = kind == "qwen3_5_vl"
+    bad = _strip(hybrid(kind), tmp_path / "bad", gone[::2], text=text)
+    cfg = json.loads((bad / "config.json").read_text())
+    (cfg["text_config"] if text else cfg).update(dict.fromkeys(gone[1::2]))  # null counts as missing
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedConfigError) as err:
+        ts.megatron_args_from_hf(bad)
+    where = f"{bad / 'config.json'}{' text_config' if text else ''}"
+    msg = str(err.value)
+    assert msg.startswith(f"{where}: missing field(s) [") and "\n" not in msg, msg
+    assert sorted(msg.split("[")[1].split("]")[0].replace("'", "").split(", ")) == sorted(gone), msg
+
+
+def test_hybrid_config_moe_needs_no_dense_mlp_size(hybrid, tmp_path):
+    """Qwen3.5-MoE has no dense MLP: intermediate_size is not required there; Qwen3-Next with
+    num_experts 0 is dense and needs it."""
+    moe = _strip(hybrid("qwen3_5_moe"), tmp_path / "moe", ["intermediate_size"], text=False)
+    assert ts.megatron_args_from_hf(moe)
+    dense = _strip(hybrid("qwen3_next"), tmp_path / "dense", ["intermediate_size"], text=False)
+    cfg = json.loads((dense / "config.json").read_text()) | {"num_experts": 0}
+    (dense / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedConfigError, match=r"missing field\(s\) \['intermediate_size'\]"):
+        ts.megatron_args_from_hf(dense)

@@ -339,3 +339,43 @@ def test_launch_refuses_untied_output_layer_on_a_tied_checkpoint(checkpoints, tm
     ) in proc.stderr, proc.stderr[-3000:]
     assert "config.json field tie_word_embeddings" in proc.stderr
     assert not (tmp_path / "hf-out").exists()
+
+
+@pytest.mark.parametrize(
+    "kind,user",
+    [
+        ("qwen3", ["--norm-epsilon", "1e-6"]),  # the checkpoint's flag says 1e-06
+        ("qwen3", ["--norm-epsilon=0.000001"]),
+        ("qwen2_5", ["--rotary-base", "1000000.0"]),  # the checkpoint's flag says 1000000
+        ("qwen2_5", ["--rotary-base", "1e6"]),
+        ("qwen3_moe", ["--moe-aux-loss-coeff", "1e-3"]),
+        ("qwen3", ["--num-layers", "4.0"]),
+    ],
+)
+def test_equal_numbers_spelled_differently_are_no_conflict(kind, user, checkpoints):
+    flags = merge_flags(str(checkpoints(kind)), [*user, "--tokenizer-type", "X"])
+    assert flags[-len(user) - 2 :] == [*user, "--tokenizer-type", "X"]
+
+
+@pytest.mark.parametrize(
+    "kind,user,needed",
+    [
+        ("qwen3", ["--norm-epsilon", "1e-5"], "1e-06"),
+        ("qwen2_5", ["--rotary-base", "1000000.5"], "1000000"),
+        ("qwen3", ["--num-layers", "4.5"], "4"),
+    ],
+)
+def test_different_numbers_are_still_a_conflict(kind, user, needed, checkpoints):
+    with pytest.raises(LaunchError, match=rf"{user[0]} {user[1]} contradicts .*needs {user[0]} {needed};"):
+        merge_flags(str(checkpoints(kind)), [*user, "--tokenizer-type", "X"])
+
+
+def test_same_value_compares_numbers_as_numbers():
+    """The one comparison that merge_flags (text) and architecture_conflicts (parsed args) share."""
+    from twinkle_specs.launch import same_value
+
+    assert same_value(["1e-6"], ["1e-06"]) and same_value("0.001", 1e-3) and same_value(1e-06, "1e-6")
+    assert same_value(1000000, "1000000.0") and same_value([1, 0, 1], ["1", "0.0", "1"])
+    assert not same_value("1e-5", 1e-6) and not same_value(["4"], ["4", "4"])
+    assert not same_value(True, 1) and not same_value(False, "0") and same_value(None, None)
+    assert same_value("rope", "rope") and not same_value("rope", "yarn") and not same_value(None, 0)

@@ -95,3 +95,57 @@ def test_megatron_parser_refusal_is_a_config_error(checkpoints, tmp_path):
     assert res.returncode == 2, res.stderr
     assert "unrecognized arguments: --no-such-flag" in res.stderr, res.stderr
     assert "Megatron-LM's argument parser refused the command line" in marker.read_text()
+
+
+def _launch_subprocess(args: list[str], marker: Path, **popen) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{STANDIN}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        TWINKLE_CONFIG_ERROR_FILE=str(marker),
+        PYTHONWARNINGS="ignore",
+        PYTHONDONTWRITEBYTECODE="1",
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    cmd = [sys.executable, "-m", "twinkle_specs.launch", SCRIPT, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, **popen)
+
+
+def _file_size_limit(limit: int):
+    import resource
+
+    def set_limit() -> None:  # Python ignores SIGXFSZ: a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return set_limit
+
+
+@pytest.mark.parametrize("on_save", [False, True])
+def test_export_write_failure_is_one_line_exit_2(checkpoints, tmp_path, on_save):
+    """A --hf-export that passed the check before training but cannot be written at its end (full disk,
+    quota, size limit: here a 300 kB file size limit against 0.7 MB of weights) is a configuration error
+    naming the path and the system's reason, not a traceback; nothing is published."""
+    marker, out = tmp_path / "config-error.txt", tmp_path / "hf-out"
+    args = ["--hf-model", str(checkpoints("qwen3")), "--tokenizer-type", "NullTokenizer"]
+    args += ["--vocab-size", "255", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1"]
+    args += ["--lr", "0.01", "--save", str(tmp_path / "ck"), "--save-interval", "1", "--hf-export", str(out)]
+    args += ["--hf-export-on-save"] if on_save else []
+    res = _launch_subprocess(args, marker, preexec_fn=_file_size_limit(300_000))
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    (line,) = [x for x in res.stderr.splitlines() if x.startswith("twinkle_specs.launch: error: ")]
+    assert "--hf-export: writing the export failed: " in line, line
+    assert str(out) in line and "File too large" in line and "(EFBIG)" in line and "ulimit -f" in line, line
+    assert marker.read_text().startswith("--hf-export: writing the export failed: ")
+    assert not any(out.rglob("*.safetensors")), sorted(out.rglob("*"))
+
+
+def test_architecture_conflict_after_megatron_parse_is_a_config_error(checkpoints, tmp_path):
+    """A flag that only Megatron's parsed args show to contradict the checkpoint: exit 2 and recorded."""
+    marker = tmp_path / "config-error.txt"
+    args = ["--hf-model", str(checkpoints("qwen2")), "--tokenizer-type", "NullTokenizer"]
+    args += ["--vocab-size", "255", "--untie-embeddings-and-output-weights"]
+    res = _launch_subprocess(args, marker)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert marker.read_text().startswith("--untie-embeddings-and-output-weights gives ")

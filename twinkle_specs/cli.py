@@ -4,7 +4,6 @@ the launch scripts."""
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import shlex
 import shutil
@@ -13,6 +12,8 @@ import warnings
 from pathlib import Path
 
 from safetensors import SafetensorError
+
+from .os_errors import os_error_line
 
 # What megatron-core announces on a machine without Apex or Transformer Engine (any CPU host): the fallbacks
 # it names are the expected ones there, and a screen of them would bury the command's report. megatron-core
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         if err.filename is None and not isinstance(err, (FileNotFoundError, FileExistsError)):
             raise  # not about a path the user gave: a bug, keep the traceback
-        print(f"twinkle-specs: error: {_os_error_line(err)}", file=sys.stderr)
+        print(f"twinkle-specs: error: {os_error_line(err)}", file=sys.stderr)
         return 2
     except ValueError as err:  # MegatronCheckpointError and the config readers' errors
         print(f"twinkle-specs: error: {err}", file=sys.stderr)
@@ -209,26 +210,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"twinkle-specs: error: writing {out} failed: {err}; check its free space", file=sys.stderr)
         return 2
 
-
-def _os_error_line(err: OSError) -> str:
-    """One line naming the path, the system's reason and what to do (read-only, full, missing, ...)."""
-    if err.filename is None:
-        return str(err)  # our own FileNotFoundError messages name the path already
-    where = f"{err.filename} -> {err.filename2}" if err.filename2 is not None else str(err.filename)
-    code = errno.errorcode.get(err.errno or 0, "")
-    hint = _OS_HINTS.get(code, "")
-    return f"{where}: {err.strerror or err}{f' ({code})' if code else ''}{f'; {hint}' if hint else ''}"
-
-
-_OS_HINTS = {
-    "ENOSPC": "free space there or choose another directory",
-    "EDQUOT": "free space there (quota) or choose another directory",
-    "EFBIG": "the file size limit (ulimit -f) is too small",
-    "EROFS": "the filesystem is read-only: choose a writable directory",
-    "EACCES": "no permission: choose a directory you can write",
-    "EPERM": "no permission: choose a directory you can write",
-    "ENOTDIR": "a component of the path is a file, not a directory",
-}
 
 if __name__ == "__main__":
     sys.exit(main())

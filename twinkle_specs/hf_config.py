@@ -252,6 +252,48 @@ def _reject(path: str, field: str, value: Any, what: str) -> UnsupportedConfigEr
     return UnsupportedConfigError(f"{path}: {field}={value!r} is not supported ({what}).")
 
 
+def require_fields(raw: dict[str, Any], fields: tuple[str, ...], where: str, arch: str) -> None:
+    """One error listing every shape field ``raw`` lacks (absent or null), naming the file."""
+    missing = [f for f in fields if raw.get(f) is None]
+    if missing:
+        raise UnsupportedConfigError(
+            f"{where}: missing field(s) {missing}; {arch} needs them (they fix the weights' shapes). "
+            "Use the config.json saved with the weights."
+        )
+
+
+@dataclass(frozen=True)
+class ConfigFields:
+    """Typed reads of one config's fields, each bad value an error naming the file and the field.
+
+    A field config.json leaves out takes ``defaults`` (transformers' config class defaults, see
+    :func:`transformers_defaults`); a null one takes the caller's ``default``."""
+
+    raw: dict[str, Any]
+    where: str
+    defaults: dict[str, Any]
+
+    def get(self, field: str, default: Any = None) -> Any:
+        value = self.raw[field] if field in self.raw else self.defaults.get(field)
+        return default if value is None else value
+
+    def count(self, field: str, default: Any = None, minimum: int = 1) -> int:
+        """A whole number >= ``minimum`` (2.7, "4", true, 0 layers are errors)."""
+        return _integer(self.get(field, default), self.where, field, minimum)
+
+    def real(self, field: str, low: float = 0.0, positive: bool = False) -> float:
+        value = _number(self.get(field), self.where, field)
+        if value is None or value < low or (positive and value == low):
+            raise _reject(self.where, field, value, f"must be a number {'>' if positive else '>='} {low}")
+        return float(value)
+
+    def flag(self, field: str, default: bool = False) -> bool:
+        value = self.get(field, default)
+        if not isinstance(value, bool):
+            raise _reject(self.where, field, value, "must be true or false")
+        return value
+
+
 def qwen_arch_from_hf(hf_dir: str | Path) -> QwenArch:
     """Validates a checkpoint's config.json against :data:`FIELD_POLICY` and returns its QwenArch."""
     raw = read_config_json(hf_dir)
@@ -275,39 +317,14 @@ def qwen_arch_from_hf(hf_dir: str | Path) -> QwenArch:
     if raw.get("model_type", family) != family:
         raise _reject(where, "model_type", raw.get("model_type"), f"{arch} needs model_type {family!r}")
 
-    missing = [f for f in REQUIRED_FIELDS if raw.get(f) is None]
-    if family.endswith("moe"):
-        missing += [
-            f
-            for f in MOE_REQUIRED_FIELDS
-            if raw.get(f) is None and not (f == "num_experts" and raw.get("num_local_experts") is not None)
-        ]
-    if missing:
-        raise UnsupportedConfigError(
-            f"{where}: missing field(s) {missing}; {arch} needs them (they fix the weights' shapes). "
-            "Use the config.json saved with the weights."
-        )
-    defaults = transformers_defaults(family)
-
-    def get(field: str, default: Any = None) -> Any:
-        """config.json's value; absent: transformers' default for this model type; null: ``default``."""
-        value = raw[field] if field in raw else defaults.get(field)
-        return default if value is None else value
-
-    def count(field: str, default: Any = None, minimum: int = 1) -> int:
-        return _integer(get(field, default), where, field, minimum)
-
-    def real(field: str, low: float = 0.0, positive: bool = False) -> float:
-        value = _number(get(field), where, field)
-        if value is None or value < low or (positive and value == low):
-            raise _reject(where, field, value, f"must be a number {'>' if positive else '>='} {low}")
-        return float(value)
-
-    def flag(field: str, default: bool = False) -> bool:
-        value = get(field, default)
-        if not isinstance(value, bool):
-            raise _reject(where, field, value, "must be true or false")
-        return value
+    moe_fields = [
+        f
+        for f in MOE_REQUIRED_FIELDS
+        if not (f == "num_experts" and raw.get("num_local_experts") is not None)
+    ]
+    require_fields(raw, REQUIRED_FIELDS + (tuple(moe_fields) if family.endswith("moe") else ()), where, arch)
+    fields = ConfigFields(raw, where, transformers_defaults(family))
+    get, count, real, flag, defaults = fields.get, fields.count, fields.real, fields.flag, fields.defaults
 
     if get("hidden_act", "silu") != "silu":
         raise _reject(where, "hidden_act", raw["hidden_act"], "only silu (SwiGLU) is supported")

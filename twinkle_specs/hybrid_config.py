@@ -14,7 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .hf_config import QwenArch, UnsupportedConfigError, _number, _reject
+from .hf_config import (
+    MOE_REQUIRED_FIELDS,
+    REQUIRED_FIELDS,
+    ConfigFields,
+    QwenArch,
+    UnsupportedConfigError,
+    _number,
+    _reject,
+    require_fields,
+    transformers_defaults,
+)
 
 # architecture -> (family, model_type of the config that holds the text fields, multimodal)
 HYBRID_ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
@@ -202,19 +212,27 @@ def hybrid_arch_from_raw(raw: dict[str, Any], where: str) -> QwenArch:
     if text.get("model_type", text_type) != text_type:
         raise _reject(where, "model_type", text.get("model_type"), f"{arch_name} needs {text_type!r}")
 
-    def get(field: str, default: Any = None) -> Any:
-        value = text.get(field, default)
-        return default if value is None else value
+    if family == "qwen3_next":  # num_experts 0 makes its MLPs dense
+        moe = text.get("num_experts", transformers_defaults(text_type).get("num_experts")) != 0
+    else:
+        moe = family == "qwen3_5_moe"
+    shape_fields = tuple(f for f in REQUIRED_FIELDS if f != "intermediate_size" or not moe)
+    require_fields(text, shape_fields + (MOE_REQUIRED_FIELDS if moe else ()), where, arch_name)
+    defaults = transformers_defaults(text_type)
+    if multimodal and "tie_word_embeddings" in raw:  # the top level's, where text_config has none
+        defaults = defaults | {"tie_word_embeddings": raw["tie_word_embeddings"]}
+    fields = ConfigFields(text, where, defaults)
+    get, count, real, flag = fields.get, fields.count, fields.real, fields.flag
 
     if get("hidden_act", "silu") != "silu":
         raise _reject(where, "hidden_act", text["hidden_act"], "only silu is supported")
-    if get("attention_bias", False):
+    if flag("attention_bias"):
         raise _reject(
             where, "attention_bias", True, "megatron-core's gated attention has no q/k/v/o bias here"
         )
     if text.get("quantization_config"):
         raise _reject(where, "quantization_config", "...", "load a bf16/fp16/fp32 checkpoint instead")
-    if not get("attn_output_gate", True):
+    if not flag("attn_output_gate", True):
         raise _reject(
             where, "attn_output_gate", False, "transformers' Qwen3-Next/Qwen3.5 attention is always gated"
         )
@@ -226,15 +244,13 @@ def hybrid_arch_from_raw(raw: dict[str, Any], where: str) -> QwenArch:
         raise _reject(where, "decoder_sparse_step", text["decoder_sparse_step"], "every layer must be MoE")
     if get("mlp_only_layers", []):
         raise _reject(where, "mlp_only_layers", text["mlp_only_layers"], "every layer must be MoE")
-    if multimodal and "tie_word_embeddings" in raw and "tie_word_embeddings" in text:
-        if bool(raw["tie_word_embeddings"]) != bool(text["tie_word_embeddings"]):
-            raise _reject(
-                where, "tie_word_embeddings", raw["tie_word_embeddings"], "top level and text differ"
-            )
+    tied = flag("tie_word_embeddings")
+    if multimodal and "tie_word_embeddings" in text and raw.get("tie_word_embeddings", tied) is not tied:
+        raise _reject(where, "tie_word_embeddings", tied, "the top level's value differs")
 
-    num_layers = int(text["num_hidden_layers"])
-    layer_types = _layer_types(text, num_layers, where)
-    rope = _rope(text, where)
+    num_layers = count("num_hidden_layers")
+    layer_types = _layer_types(text, num_layers, fields)
+    rope_field, rope = _rope(text, where)
     rotary_percent = float(
         _number(
             rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25)),
@@ -242,55 +258,57 @@ def hybrid_arch_from_raw(raw: dict[str, Any], where: str) -> QwenArch:
             "partial_rotary_factor",
         )
     )
-    heads, hidden = int(text["num_attention_heads"]), int(text["hidden_size"])
-    head_dim = int(get("head_dim", 256))
+    heads, hidden, head_dim = count("num_attention_heads"), count("hidden_size"), count("head_dim")
+    kv_heads = count("num_key_value_heads")
+    if heads % kv_heads:
+        raise _reject(where, "num_key_value_heads", kv_heads, f"must divide num_attention_heads ({heads})")
     if not 0 < rotary_percent <= 1 or int(head_dim * rotary_percent) % 2:
         raise _reject(
             where, "partial_rotary_factor", rotary_percent, f"needs an even rotary dim of {head_dim}"
         )
-    nk, nv = int(get("linear_num_key_heads", 16)), int(get("linear_num_value_heads", 32))
+    theta_field = f"{rope_field}.rope_theta" if rope.get("rope_theta") is not None else "rope_theta"
+    rope_theta = _number(rope.get("rope_theta") or get("rope_theta"), where, theta_field)
+    if rope_theta is None or rope_theta <= 0:
+        raise _reject(where, theta_field, rope_theta, "must be a positive number")
+    nk, nv = count("linear_num_key_heads"), count("linear_num_value_heads")
     if nv % nk:
         raise _reject(where, "linear_num_value_heads", nv, f"must be a multiple of linear_num_key_heads {nk}")
-    if family == "qwen3_next":
-        num_experts = int(get("num_experts", 512))
-    else:
-        num_experts = int(get("num_experts", 256)) if family == "qwen3_5_moe" else 0
-    moe = num_experts > 0
-    if not moe and "intermediate_size" not in text:
-        raise _reject(where, "intermediate_size", None, "a dense model needs the MLP size")
+    num_experts = count("num_experts") if moe else 0
+    shared = count("shared_expert_intermediate_size", minimum=0) if moe else 0
     dtype = get("dtype", get("torch_dtype", raw.get("dtype", raw.get("torch_dtype"))))
-    shared = int(get("shared_expert_intermediate_size", 512)) if moe else 0
     return QwenArch(
         architecture=arch_name,
         family=family,
         num_layers=num_layers,
         hidden_size=hidden,
         # Qwen3.5-MoE has no dense MLP; megatron-core still wants a size (unused by MoE layers).
-        ffn_hidden_size=int(get("intermediate_size", get("moe_intermediate_size", 512))),
+        ffn_hidden_size=count(
+            "intermediate_size" if text.get("intermediate_size") or not moe else "moe_intermediate_size"
+        ),
         num_attention_heads=heads,
-        num_query_groups=int(get("num_key_value_heads", 2)),
+        num_query_groups=kv_heads,
         kv_channels=head_dim,
-        norm_epsilon=float(get("rms_norm_eps", 1e-6)),
-        vocab_size=int(text["vocab_size"]),
-        max_position_embeddings=int(text["max_position_embeddings"]),
-        rotary_base=float(rope.get("rope_theta") or get("rope_theta", 10000.0)),
-        tie_word_embeddings=bool(get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+        norm_epsilon=real("rms_norm_eps", positive=True),
+        vocab_size=count("vocab_size"),
+        max_position_embeddings=count("max_position_embeddings"),
+        rotary_base=float(rope_theta),
+        tie_word_embeddings=tied,
         qkv_bias=False,
         qk_layernorm=True,
-        attention_dropout=float(get("attention_dropout", 0.0)),
-        init_method_std=float(get("initializer_range", 0.02)),
+        attention_dropout=real("attention_dropout"),
+        init_method_std=real("initializer_range"),
         dtype=str(dtype) if dtype else None,
         num_experts=num_experts if moe else None,
-        moe_router_topk=int(get("num_experts_per_tok", 10 if family == "qwen3_next" else 8)) if moe else None,
-        moe_ffn_hidden_size=int(get("moe_intermediate_size", 512)) if moe else None,
-        norm_topk_prob=bool(get("norm_topk_prob", True)) if family == "qwen3_next" else True,
+        moe_router_topk=count("num_experts_per_tok") if moe else None,
+        moe_ffn_hidden_size=count("moe_intermediate_size") if moe else None,
+        norm_topk_prob=flag("norm_topk_prob", True) if family == "qwen3_next" else True,
         shared_expert_intermediate_size=shared or None,
-        moe_aux_loss_coeff=float(get("router_aux_loss_coef", 0.001)) if moe else 0.0,
+        moe_aux_loss_coeff=real("router_aux_loss_coef") if moe else 0.0,
         hybrid=HybridArch(
             layer_types=layer_types,
-            conv_kernel=int(get("linear_conv_kernel_dim", 4)),
-            key_head_dim=int(get("linear_key_head_dim", 128)),
-            value_head_dim=int(get("linear_value_head_dim", 128)),
+            conv_kernel=count("linear_conv_kernel_dim"),
+            key_head_dim=count("linear_key_head_dim"),
+            value_head_dim=count("linear_value_head_dim"),
             num_key_heads=nk,
             num_value_heads=nv,
             rotary_percent=rotary_percent,
@@ -310,11 +328,11 @@ def _check_fields(cfg: dict[str, Any], policy: dict[str, tuple[str, str]], where
         )
 
 
-def _layer_types(text: dict[str, Any], num_layers: int, where: str) -> tuple[str, ...]:
+def _layer_types(text: dict[str, Any], num_layers: int, fields: ConfigFields) -> tuple[str, ...]:
     """transformers' rule: the given list, else one full-attention layer every full_attention_interval."""
-    types = text.get("layer_types")
+    types, where = text.get("layer_types"), fields.where
     if types is None:
-        interval = int(text.get("full_attention_interval") or 4)
+        interval = fields.count("full_attention_interval", 4)
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
     if len(types) != num_layers or any(t not in ("linear_attention", "full_attention") for t in types):
         raise _reject(
@@ -326,7 +344,7 @@ def _layer_types(text: dict[str, Any], num_layers: int, where: str) -> tuple[str
     return tuple(types)
 
 
-def _rope(text: dict[str, Any], where: str) -> dict[str, Any]:
+def _rope(text: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]:
     field = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
     rope = dict(text.get(field) or {})
     for key, value in rope.items():
@@ -335,4 +353,4 @@ def _rope(text: dict[str, Any], where: str) -> dict[str, Any]:
     rope_type = rope.get("rope_type", rope.get("type")) or "default"
     if rope_type != "default":
         raise _reject(where, f"{field}.rope_type", rope_type, "the hybrid models support plain RoPE only")
-    return rope
+    return field, rope

@@ -155,11 +155,35 @@ def _flag_groups(flags: list[str]) -> list[list[str]]:
     return groups
 
 
+def _as_number(value: object) -> object:
+    """``value`` as a number where it is one or its text parses as one (``"1e-6"``, ``"1000000.0"``);
+    otherwise unchanged. Switches (bools) stay bools."""
+    if isinstance(value, str):
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+    return value
+
+
+def same_value(a: object, b: object) -> bool:
+    """Whether two flag values say the same thing: numbers compare as numbers (``1e-6`` is ``1e-06``,
+    ``1000000`` is ``1000000.0``, ``0.001`` is ``1e-3``), lists element by element, the rest as they are."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+    a, b = _as_number(a), _as_number(b)
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
+
+
 def merge_flags(hf_dir: str, user: list[str]) -> list[str]:
     """Checkpoint flags + tokenizer flags + the user's, with conflicts reported.
 
     The user's flags come last (argparse keeps the last value), so where they may override they win;
     where they contradict the checkpoint's architecture this raises, naming the flag and both values.
+    Values are compared as numbers where both are (:func:`same_value`).
     """
     given = flag_values(user)
     if "--save" in given and not {"--save-interval", "--persistent-save-interval"} & given.keys():
@@ -179,7 +203,7 @@ def merge_flags(hf_dir: str, user: list[str]) -> list[str]:
             merged += group
             continue
         if flag in given or EXCLUSIVE.get(flag) in given:
-            if flag in OVERRIDABLE or given.get(flag) == values:
+            if flag in OVERRIDABLE or same_value(given.get(flag), values):
                 continue
             raise LaunchError(
                 f"{flag} {' '.join(given[flag])} contradicts the checkpoint {Path(hf_dir) / 'config.json'}, "
@@ -217,7 +241,7 @@ def architecture_conflicts(
                 continue
             seen.add(action.dest)
             given, needed = getattr(args, action.dest, None), getattr(expected, action.dest)
-            if given != needed:
+            if not same_value(given, needed):
                 field = f" (config.json field {setting.source})" if setting.source else ""
                 conflicts.append(
                     f"{flag} gives {action.dest}={given!r} but {config} needs {action.dest}={needed!r}{field}"
@@ -280,10 +304,7 @@ def _wrap_parse_args(original):
 
         args = original(composed, ignore_unknown_args)
         if args.hf_model:
-            try:
-                check_architecture(args, parsers[-1], args.hf_model)
-            except LaunchError as err:
-                raise SystemExit(f"twinkle_specs.launch: error: {err}") from err
+            check_architecture(args, parsers[-1], args.hf_model)  # a LaunchError ends in main's refuse()
         global _RUN
         _RUN = Run(hf_dir=args.hf_model, lora=_lora_from_args(args))
         return args
@@ -510,6 +531,19 @@ def export(models, out_dir: str | Path, *, merged: bool = False, overwrite: bool
             save_hf_weights(models, staging, hf_dir=_RUN.hf_dir if _RUN else None)
 
 
+def _export_or_refuse(models, out_dir: str | Path, *, merged: bool, overwrite: bool) -> None:
+    """:func:`export`, with a write that fails (read-only, full, over a size limit) turned into a
+    configuration error naming the path and the system's reason (restarting the job cannot help)."""
+    from safetensors import SafetensorError
+
+    from .os_errors import os_error_line
+
+    try:
+        export(models, out_dir, merged=merged, overwrite=overwrite)
+    except (OSError, SafetensorError) as err:
+        raise LaunchError(f"--hf-export: writing the export failed: {os_error_line(err, out_dir)}") from err
+
+
 def _wrap_pretrain(original):
     @functools.wraps(original)
     def pretrain(*args, **kwargs):
@@ -521,7 +555,7 @@ def _wrap_pretrain(original):
         margs = get_args()
         if margs.hf_export and _RUN is not None and _RUN.models:
             if not margs.hf_export_on_save:
-                export(
+                _export_or_refuse(
                     _RUN.models,
                     margs.hf_export,
                     merged=margs.hf_export_merged,
@@ -549,7 +583,7 @@ def _wrap_save_checkpoint(original):
         if margs.hf_export and margs.hf_export_on_save and _RUN is not None and _RUN.models:
             # The checkpoint of this iteration was just (re)written: its export is replaced to match.
             out = Path(margs.hf_export) / f"iter_{iteration:07d}"
-            export(_RUN.models, out, merged=margs.hf_export_merged, overwrite=True)
+            _export_or_refuse(_RUN.models, out, merged=margs.hf_export_merged, overwrite=True)
             _RUN.last_export = out
         return result
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from .os_errors import os_error_line
+
 _STAGING_TAG = ".incomplete-"
 _REPLACED_TAG = ".replaced-"
 # What an interrupted writer of ours leaves inside a directory it adds to (the --hf-export-on-save root).
@@ -96,20 +98,13 @@ def check_target(
     return path
 
 
-def _os_reason(err: OSError) -> str:
-    """``PATH: reason (ERRNO)``: the file the system names, its words and the errno's name."""
-    if err.filename is None or err.errno is None:
-        return str(err)
-    return f"{err.filename}: {err.strerror} ({errno.errorcode.get(err.errno, err.errno)})"
-
-
 def _make_staging(target: Path) -> Path:
     """A new directory beside ``target`` (same filesystem, so the final rename is atomic), made with
     ``os.mkdir`` so that it gets the umask's mode (mkdtemp would give 0700)."""
-    for folder in (target.parent, *target.parent.parents):  # mkdir would blame the file as "exists"
-        if folder.exists():
-            if not folder.is_dir():
-                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
+    for parent in target.parents:  # a file on the way: mkdir would say "File exists" about it
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(parent))
             break
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}{_STAGING_TAG}{uuid.uuid4().hex[:12]}"
@@ -189,7 +184,10 @@ def staged_output(
             )
             outcome = ("ok", str(_make_staging(resolved)))
         except (error, OSError) as err:
-            outcome = ("error", str(err) if isinstance(err, error) else f"{flag} {target}: {_os_reason(err)}")
+            outcome = (
+                "error",
+                str(err) if isinstance(err, error) else f"{flag} {target}: {os_error_line(err)}",
+            )
     if _distributed():
         box = [outcome]
         dist.broadcast_object_list(box, src=0)
