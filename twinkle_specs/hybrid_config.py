@@ -11,13 +11,13 @@ byte-identical on export).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from .hf_config import (
+from .config_reading import (
     MOE_REQUIRED_FIELDS,
     REQUIRED_FIELDS,
     ConfigFields,
+    HybridArch,
     QwenArch,
     UnsupportedConfigError,
     _number,
@@ -161,27 +161,6 @@ HYBRID_ROPE_KEY_POLICY: dict[str, str] = {
     "mrope_section": "Qwen3.5 multimodal RoPE: text tokens have equal t/h/w positions, so it is plain RoPE",
     "mrope_interleaved": "as mrope_section",
 }
-
-
-@dataclass(frozen=True)
-class HybridArch:
-    """What the hybrid Qwen models add to :class:`QwenArch`."""
-
-    layer_types: tuple[str, ...]  # per layer: linear_attention | full_attention
-    conv_kernel: int
-    key_head_dim: int
-    value_head_dim: int
-    num_key_heads: int
-    num_value_heads: int
-    rotary_percent: float
-    fused_projections: bool  # Qwen3-Next: in_proj_qkvz / in_proj_ba grouped per key head
-    text_prefix: str  # "model." or "model.language_model." (multimodal checkpoints)
-    multimodal: bool
-
-    @property
-    def linear_attention_pattern(self) -> list[int]:
-        """megatron-core's ``linear_attention_freq`` list: 1 = Gated DeltaNet, 0 = full attention."""
-        return [int(t == "linear_attention") for t in self.layer_types]
 
 
 def is_hybrid_config(raw: dict[str, Any]) -> bool:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .hf_config import QwenArch
-from .weight_map import RULES, L, Layout, P, Replicated, RowSplit, Rule, _chunk
+from .config_reading import QwenArch
+from .weight_rules import RULES, L, Layout, P, Replicated, RowSplit, Rule, _chunk
 
 
 @dataclass
