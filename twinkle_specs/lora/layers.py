@@ -525,7 +525,16 @@ class LoraBank:
         return build, merge
 
 
-_FORWARD_SITES = ("linear_qkv", "linear_proj", "router", "linear_fc1", "linear_fc2")
+_FORWARD_SITES = (
+    "linear_qkv",
+    "in_proj",
+    "in_proj_fused",
+    "linear_proj",
+    "out_proj",
+    "router",
+    "linear_fc1",
+    "linear_fc2",
+)
 
 
 def _forward_place(module: LoraLayerMixin) -> int:
@@ -614,13 +623,21 @@ def _offsets(sizes: dict[str, int]) -> dict[str, int]:
 
 
 def _slot_out_sizes(site: str, output_size: int, config: Any) -> dict[str, int]:
-    """Global output rows of every slot of ``site`` (QKV from the head counts, gate/up halves)."""
+    """Global output rows of every slot of ``site`` (QKV from the head counts, gate/up halves, the Gated
+    DeltaNet's projections from its head counts). A gated attention's ``q_proj`` holds the gates too."""
     if site == "linear_qkv":
         d = config.kv_channels
-        sizes = {"q_proj": config.num_attention_heads * d}
+        sizes = {"q_proj": config.num_attention_heads * d * (2 if config.attention_output_gate else 1)}
         sizes |= {"k_proj": config.num_query_groups * d, "v_proj": config.num_query_groups * d}
     elif site == "linear_fc1":
         sizes = {"gate_proj": output_size // 2, "up_proj": output_size // 2}
+    elif site in ("in_proj", "in_proj_fused"):
+        qk = config.linear_num_key_heads * config.linear_key_head_dim
+        v, nv = config.linear_num_value_heads * config.linear_value_head_dim, config.linear_num_value_heads
+        if site == "in_proj":
+            sizes = {"in_proj_qkv": 2 * qk + v, "in_proj_z": v, "in_proj_b": nv, "in_proj_a": nv}
+        else:
+            sizes = {"in_proj_qkvz": 2 * qk + 2 * v, "in_proj_ba": 2 * nv}
     else:
         sizes = {SITE_SLOTS[site][0]: output_size}  # single-slot sites, the router's ``gate`` too
     if sum(sizes.values()) != output_size:
