@@ -1,6 +1,7 @@
 """LoRA on the hybrid Qwen models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), portable path, fp32 CPU: every
 linear adapted (gated q_proj, the Gated DeltaNet's in/out projections, MLP or experts), HF+PEFT logits ==
-Megatron+LoRA logits in both exchange directions, and merge/unmerge."""
+Megatron+LoRA logits in both exchange directions, merge/unmerge, and at TP=2 (gloo) logits, gradients
+and the adapter's round trip."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import pytest
 import torch
 from conftest import cpu_reference
 from hybrid_models import VOCAB, hybrid_batch, make_hybrid_checkpoint
-from test_lora_support import hf_model, randomize_megatron, randomize_peft
+from safetensors.torch import load_file
+from test_lora_parallel import GRAD_TOL, WORKER
+from test_lora_support import VOCAB as WORKER_VOCAB
+from test_lora_support import hf_model, randomize_megatron, randomize_peft, run_ranks, tokens
 
 import twinkle_specs as ts
 from twinkle_specs import LoraConfig, export_peft_adapter, load_peft_adapter
@@ -97,3 +101,63 @@ def test_peft_adapter_into_megatron(kind, hybrid, tmp_path, megatron_single):
     delta = (ours - ref).abs().max().item()
     print(f"{kind} peft->megatron max|Δ| = {delta:.3g}")
     assert delta <= TOL
+
+
+def _peft_adapter(hf, out, targets) -> None:
+    ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, lora_alpha=16, target_modules=targets))
+    randomize_peft(ref_model)
+    ref_model.save_pretrained(out)
+
+
+def _peft_reference(hf, adapter):
+    """PEFT's logits (the worker's first WORKER_VOCAB) and adapter gradients of the worker's loss."""
+    model = peft.PeftModel.from_pretrained(hf_model(hf), adapter, is_trainable=True)
+    toks = tokens()
+    weights = torch.randn(*toks.shape, WORKER_VOCAB, generator=torch.Generator().manual_seed(7))
+    logits = model(toks).logits[..., :WORKER_VOCAB]
+    (logits * weights).sum().backward()
+    grads = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_" in n}
+    return logits.detach(), grads
+
+
+def test_tp2_matches_peft(hybrid, tmp_path):
+    """Qwen3.5 at TP=2 (gloo): queries/gates and the Gated DeltaNet's sections split per rank; logits and
+    adapter gradients against PEFT, then an export after re-randomising."""
+    hf = hybrid("qwen3_5")
+    adapter = tmp_path / "adapter"
+    _peft_adapter(hf, adapter, "all-linear")
+    run_ranks(2, WORKER, "--hf", str(hf), "--adapter", str(adapter), "--out", str(tmp_path), "--tp", "2")
+
+    ref_logits, ref_grads = _peft_reference(hf, adapter)
+    ours = torch.load(tmp_path / "logits_in.pt")
+    print(f"qwen3_5 tp2 logits max|Δ| = {(ours - ref_logits).abs().max().item():.3g}")
+    assert (ours - ref_logits).abs().max().item() <= TOL
+    grads = torch.load(tmp_path / "grads.pt")
+    assert sorted(grads) == sorted(ref_grads)
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    worst = max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
+    print(f"qwen3_5 tp2 grads max|Δ| = {worst:.3g} (largest grad {scale:.3g})")
+    assert worst <= GRAD_TOL * scale
+
+    exported = peft.PeftModel.from_pretrained(hf_model(hf), tmp_path / "export").eval()
+    with torch.no_grad():
+        ref_out = exported(tokens()).logits
+    ours_out = torch.load(tmp_path / "logits_out.pt")
+    assert (ours_out - ref_logits).abs().max() > 1e-2  # the re-randomised adapter is a different one
+    print(f"qwen3_5 tp2 export max|Δ| = {(ours_out - ref_out[..., :WORKER_VOCAB]).abs().max().item():.3g}")
+    assert (ours_out - ref_out[..., :WORKER_VOCAB]).abs().max().item() <= TOL
+
+
+def test_tp2_round_trips_fused_projections(hybrid, tmp_path):
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba (grouped per key head) and gated q_proj at TP=2: a PEFT
+    adapter loaded into the shards and exported again is the same file."""
+    hf = hybrid("qwen3_next")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]
+    _peft_adapter(hf, tmp_path / "adapter", targets)
+    args = ["--hf", str(hf), "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path)]
+    run_ranks(2, WORKER, *args, "--roundtrip", "--tp", "2")
+    src = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    back = load_file(tmp_path / "export" / "adapter_model.safetensors")
+    assert sorted(src) == sorted(back)
+    for key, t in src.items():
+        assert torch.equal(t, back[key]), key
