@@ -53,22 +53,44 @@ def _peft_logits(model, toks: torch.Tensor) -> torch.Tensor:
         return model.eval()(toks).logits
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_megatron_adapter_into_peft(kind, hybrid, tmp_path, megatron_single):
+EXPORTS = {f"{kind}-all-linear": (kind, "all-linear") for kind in KINDS}
+# shared expert (Megatron's linear_fc1/fc2 name it with the routed experts), routed experts and router
+EXPORTS["qwen3_5_moe-shared-routed"] = (
+    "qwen3_5_moe",
+    ["q_proj", "out_proj", "linear_fc1", "linear_fc2", "router"],
+)
+
+
+@pytest.mark.parametrize("kind,targets", list(EXPORTS.values()), ids=list(EXPORTS))
+def test_megatron_adapter_into_peft(kind, targets, hybrid, tmp_path, megatron_single):
     hf = hybrid(kind)
     toks = hybrid_batch(s=24)
-    model = ts.build_model(hf, lora=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model = ts.build_model(hf, lora=LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     model.eval()
     sites = {layer.lora_site for _, _, layer in lora_modules(model)}
-    assert {"linear_qkv", "linear_proj", "out_proj"} <= sites
-    assert ("in_proj_fused" if kind == "qwen3_next" else "in_proj") in sites
+    if targets == "all-linear":
+        assert {"linear_qkv", "linear_proj", "out_proj"} <= sites
+        assert ("in_proj_fused" if kind == "qwen3_next" else "in_proj") in sites
+    else:
+        assert sites == {
+            "linear_qkv",
+            "out_proj",
+            "linear_fc1",
+            "linear_fc2",
+            "experts.linear_fc1",
+            "experts.linear_fc2",
+            "router",
+        }
     base = _logits(model, toks)
     randomize_megatron(model)
     ours = _logits(model, toks)
     export_peft_adapter(model, tmp_path / "adapter")
     ref_model = peft.PeftModel.from_pretrained(hf_model(hf), tmp_path / "adapter")
     adapted = {n.split(".")[-1] for n, m in ref_model.named_modules() if hasattr(m, "lora_A")}
-    assert LINEAR_ATTENTION[kind] | {"q_proj", "k_proj", "v_proj", "o_proj"} <= adapted
+    if targets == "all-linear":
+        assert LINEAR_ATTENTION[kind] | {"q_proj", "k_proj", "v_proj", "o_proj"} <= adapted
+    else:
+        assert {"q_proj", "out_proj", "gate_proj", "up_proj", "down_proj", "experts", "gate"} <= adapted
     ref = _peft_logits(ref_model, toks)
     assert (ours - base).abs().max() > 1e-2, "the adapter does not change the logits: test is vacuous"
     delta = (ours - ref).abs().max().item()
@@ -82,14 +104,38 @@ def test_megatron_adapter_into_peft(kind, hybrid, tmp_path, megatron_single):
     assert torch.equal(_logits(model, toks), ours)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_peft_adapter_into_megatron(kind, hybrid, tmp_path, megatron_single):
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+IMPORTS = {
+    "qwen3_next": ("qwen3_next", dict(target_modules=sorted(LINEAR_ATTENTION["qwen3_next"]) + ATTENTION)),
+    # per-slot ranks and alphas inside the fused in_proj and QKV
+    "qwen3_5-rank-pattern": (
+        "qwen3_5",
+        dict(
+            target_modules=sorted(LINEAR_ATTENTION["qwen3_5"])
+            + ATTENTION
+            + ["gate_proj", "up_proj", "down_proj"],
+            rank_pattern={r".*\.in_proj_b": 2, r".*\.k_proj": 6},
+            alpha_pattern={r".*\.in_proj_z": 3},
+        ),
+    ),
+    # v4 MLP names: routed experts on Qwen3-Next (gate_up_proj at rank 2r, as on Qwen3-MoE), the shared
+    # expert on Qwen3.5-MoE (as on Qwen2-MoE): what peft does on each
+    "qwen3_next-v4-names": (
+        "qwen3_next",
+        dict(target_modules=["in_proj_ba", "gate_proj", "up_proj", "down_proj"]),
+    ),
+    "qwen3_5_moe-v4-names": (
+        "qwen3_5_moe",
+        dict(target_modules=["in_proj_qkv", "q_proj", "gate_proj", "up_proj", "down_proj"]),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind,targets", list(IMPORTS.values()), ids=list(IMPORTS))
+def test_peft_adapter_into_megatron(kind, targets, hybrid, tmp_path, megatron_single):
     hf = hybrid(kind)
     toks = hybrid_batch(s=24)
-    targets = sorted(LINEAR_ATTENTION[kind] | {"q_proj", "k_proj", "v_proj", "o_proj"})
-    if kind == "qwen3_5":
-        targets += ["gate_proj", "up_proj", "down_proj"]
-    ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, lora_alpha=8, **targets))
     randomize_peft(ref_model)
     ref_model.save_pretrained(tmp_path)
     ref = _peft_logits(ref_model, toks)

@@ -342,10 +342,10 @@ def _wrap_gpt_init(original):
         config = bound.arguments["config"]
         if _RUN.lora is not None:
             from .hf_config import qwen_arch_from_hf
-            from .lora.config import in_proj_site
+            from .lora.config import set_model_facts
 
             config.lora = _RUN.lora
-            config.lora_in_proj = in_proj_site(qwen_arch_from_hf(_RUN.hf_dir))
+            set_model_facts(config, qwen_arch_from_hf(_RUN.hf_dir))
         bound.arguments["vocab_size"] = _checkpoint_vocab(bound.arguments.get("vocab_size"))
         _exact_rotary_base(bound.arguments)
         _set_megatron_padded_vocab(bound.arguments["vocab_size"])

@@ -241,6 +241,16 @@ class LoraConfig:
 ANY_IN_PROJ = "any"  # resolve's in_proj when the model is not known yet (both sets of names are valid)
 
 
+def set_model_facts(config, arch) -> None:
+    """Records on a TransformerConfig what resolving LoRA targets needs from the Hugging Face model that
+    the config does not say: the Gated DeltaNet input site (``lora_in_proj``) and, on hybrid MoE models,
+    whether peft maps v4 MLP names to the routed experts (``lora_fused_experts``): peft does so through
+    transformers' conversion table for Qwen3-Next (as for Qwen3-MoE), not for Qwen3.5-MoE, whose
+    gate/up/down_proj mean the shared expert (as on Qwen2-MoE)."""
+    config.lora_in_proj = in_proj_site(arch)
+    config.lora_fused_experts = arch.hybrid.fused_projections if arch.hybrid is not None else None
+
+
 def in_proj_site(arch) -> str | None:
     """The Gated DeltaNet input site of a model (a QwenArch): Qwen3-Next's fused projections or
     Qwen3.5's four; None for a model without linear-attention layers."""

@@ -37,7 +37,7 @@ from ..weight_map import bind
 from .config import LoraConfig, Sites, pattern_path, slot_path
 from .layers import LoraLayerMixin
 from .model import lora_modules
-from .spec import lora_in_proj
+from .spec import fused_experts, lora_in_proj
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -88,7 +88,7 @@ def resolve_for(model, lora: LoraConfig) -> Sites:
     """What ``lora`` means on this model (the spec resolves it the same way when building layers)."""
     config = model_chunks(model)[0].config
     return lora.resolve(
-        fused_experts=bool(config.num_moe_experts) and config.qk_layernorm,
+        fused_experts=fused_experts(config),
         shared_expert=bool(config.moe_shared_expert_intermediate_size),
         num_layers=config.num_layers,
         in_proj=lora_in_proj(config),

@@ -168,7 +168,7 @@ def lora_layer_submodules(
     since the fused norm/RoPE split of LoraSelfAttention knows no output gate.
     """
     sites = lora.resolve(
-        fused_experts=bool(config.num_moe_experts) and config.qk_layernorm,
+        fused_experts=fused_experts(config),
         shared_expert=bool(config.moe_shared_expert_intermediate_size),
         num_layers=config.num_layers,
         in_proj=lora_in_proj(config),
@@ -199,6 +199,15 @@ def lora_layer_submodules(
 
         attn = _with_class(attn, LoraSelfAttention)
     return _with_mlp(submodules, attn, layer, keys_map, sites, p)
+
+
+def fused_experts(config: TransformerConfig) -> bool:
+    """Whether peft maps v4 MLP names to the routed experts on this model: Qwen3-MoE (MoE with q/k norm)
+    and what :func:`~twinkle_specs.lora.config.set_model_facts` recorded for hybrid models."""
+    recorded = getattr(config, "lora_fused_experts", None)
+    if recorded is not None:
+        return bool(config.num_moe_experts) and recorded
+    return bool(config.num_moe_experts) and config.qk_layernorm
 
 
 def lora_in_proj(config: TransformerConfig) -> str | None:
