@@ -11,7 +11,7 @@ import torch
 from conftest import cpu_reference
 from hybrid_models import VOCAB, hybrid_batch, make_hybrid_checkpoint
 from safetensors.torch import load_file
-from test_lora_parallel import GRAD_TOL, WORKER
+from test_lora_parallel import GRAD_TOL, WORKER, _sharded_dumps
 from test_lora_support import VOCAB as WORKER_VOCAB
 from test_lora_support import hf_model, randomize_megatron, randomize_peft, run_ranks, tokens
 
@@ -207,3 +207,40 @@ def test_tp2_round_trips_fused_projections(hybrid, tmp_path):
     assert sorted(src) == sorted(back)
     for key, t in src.items():
         assert torch.equal(t, back[key]), key
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_adapter_sharded_state_dict_is_tp_independent(kind, hybrid, tmp_path):
+    """Adapter-only sharded_state_dict at TP=2 describes the same global tensors as at TP=1: the Gated
+    DeltaNet's in_proj slots are saved per section ([q; k; v] ...), each split over TP on its own."""
+    hf = hybrid(kind)
+    _peft_adapter(hf, tmp_path / "adapter", sorted(LINEAR_ATTENTION[kind]) + ["q_proj", "v_proj"])
+    dumps = _sharded_dumps(hf, tmp_path / "adapter", tmp_path, {"tp1": (1, []), "tp2": (2, ["--tp", "2"])})
+    reference, tp2 = dumps["tp1"], dumps["tp2"]
+    assert any(
+        key.endswith("in_proj.lora_B.in_proj_qkv_q" if kind == "qwen3_5" else "lora_B.in_proj_ba_a")
+        for key in reference
+    ), sorted(reference)
+    assert sorted(tp2) == sorted(reference)
+    for key, (full, count) in tp2.items():
+        # hybrid layers: a linear-attention (or attention) factor exists in some layers only
+        assert torch.equal(count, reference[key][1]) and count.max() == 1, key
+        assert torch.equal(full, reference[key][0]), key
+
+
+def test_sectioned_factors_load_back(hybrid, megatron_single):
+    """The per-section checkpoint tensors of in_proj's B are put back where they came from (what loading
+    an adapter-only checkpoint does with them)."""
+    model = ts.build_model(
+        hybrid("qwen3_next"), lora=LoraConfig(r=4, target_modules=["in_proj_qkvz", "in_proj_ba"])
+    )
+    randomize_megatron(model)
+    (layer, *_) = [m for _, _, m in lora_modules(model) if m.lora_site == "in_proj_fused"]
+    data = layer.lora_view("B", layer.lora_leaf("B").detach())
+    built = layer._lora_build_sharded("B", (), None, "x.lora_B", data, None, None)
+    assert sorted(built) == [
+        f"x.lora_B.in_proj_{s}" for s in ("ba_a", "ba_b", "qkvz_k", "qkvz_q", "qkvz_v", "qkvz_z")
+    ]
+    assert torch.equal(
+        layer._lora_merge_sharded("B", data.shape, {k: t.data for k, t in built.items()}), data
+    )
