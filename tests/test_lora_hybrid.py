@@ -21,7 +21,7 @@ from twinkle_specs.lora.model import lora_modules, merge_lora, unmerge_lora
 
 pytestmark = cpu_reference
 
-TOL = 1e-4  # max |Δ| of fp32 logits against transformers + peft
+TOL = 1e-4  # max |Δ| of fp32 logits against transformers + peft; measured 3.1e-6 .. 1.2e-5 (torch 2.13 CPU)
 KINDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LINEAR_ATTENTION = {
     "qwen3_next": {"in_proj_qkvz", "in_proj_ba", "out_proj"},
