@@ -362,7 +362,11 @@ def _wrap_gpt_init(original):
         bound = signature.bind(self, *args, **kwargs)
         config = bound.arguments["config"]
         if _RUN.lora is not None:
+            from .hf_config import qwen_arch_from_hf
+            from .lora.config import set_model_facts
+
             config.lora = _RUN.lora
+            set_model_facts(config, qwen_arch_from_hf(_RUN.hf_dir))
         bound.arguments["vocab_size"] = _checkpoint_vocab(bound.arguments.get("vocab_size"))
         _exact_rotary_base(bound.arguments)
         _set_megatron_padded_vocab(bound.arguments["vocab_size"])

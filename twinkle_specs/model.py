@@ -14,6 +14,7 @@ from .hf_config import qwen_arch_from_hf
 from .hybrid_spec import hybrid_block_spec
 from .loading import load_hf_weights
 from .lora import LoraConfig, prepare_lora_model
+from .lora.config import set_model_facts
 from .patches import apply_all as apply_patches
 from .spec import qwen_layer_spec
 
@@ -57,6 +58,7 @@ def build_model(
             model_parallel_cuda_manual_seed(seed)  # TE/TP weight init draws from the model-parallel RNG
     if lora is not None:
         config.lora = lora  # read by qwen_layer_submodules
+        set_model_facts(config, arch)
     layer_spec: Any = qwen_layer_spec
     if arch.hybrid is not None:  # zero-centred final norm: a block spec (hybrid_spec.hybrid_block_spec)
         layer_spec = hybrid_block_spec(config, qwen_layer_spec, vp_stage)

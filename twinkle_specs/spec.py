@@ -119,12 +119,7 @@ def qwen_layer_submodules(config: TransformerConfig, layer_index: int = 0) -> Tr
     submodules = _megatron_layer_submodules(config)
     lora = getattr(config, "lora", None)
     if is_hybrid(config):
-        if lora is not None:
-            raise NotImplementedError(
-                "LoRA on the hybrid Qwen models (Gated DeltaNet layers) is not implemented yet; "
-                "train them without --lora"
-            )
-        return hybrid_layer_submodules(submodules, config, layer_index)
+        submodules = hybrid_layer_submodules(submodules, config, layer_index)
     if lora is not None:
         from .lora.spec import lora_layer_submodules
 

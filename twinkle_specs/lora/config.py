@@ -8,6 +8,11 @@ transformers 5 and are adapted through ``target_parameters`` (``mlp.experts.gate
 ``gate_proj``/``up_proj``/``down_proj`` (and ``all-linear``) to those expert parameters, with
 ``gate_up_proj`` at rank 2r and alpha 2*alpha; :meth:`LoraConfig.resolve` does the same, so one
 LoraConfig means the same adapter in Megatron and in PEFT. Megatron names adapt whole fused linears.
+
+Hybrid models (Qwen3-Next, Qwen3.5): the Gated DeltaNet's fused ``in_proj`` is one site whose slots are
+transformers' projections (Qwen3.5's ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a`` or
+Qwen3-Next's ``in_proj_qkvz``/``in_proj_ba``: sites ``in_proj`` and ``in_proj_fused``), ``out_proj`` a
+single-slot row-parallel site; the gated attention's ``q_proj`` slot holds queries and gates.
 """
 
 from __future__ import annotations
@@ -26,7 +31,13 @@ SITE_SLOTS: dict[str, tuple[str, ...]] = {
     "experts.linear_fc1": ("gate_up_proj",),  # routed experts: one adapter over [gate; up] per expert
     "experts.linear_fc2": ("down_proj",),
     "router": ("gate",),
+    "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # Gated DeltaNet, Qwen3.5
+    "in_proj_fused": ("in_proj_qkvz", "in_proj_ba"),  # Gated DeltaNet, Qwen3-Next
+    "out_proj": ("out_proj",),
 }
+# The Gated DeltaNet sites: a model has in_proj or in_proj_fused (see in_proj_site), and out_proj.
+LINEAR_ATTENTION_SITES = ("in_proj", "in_proj_fused", "out_proj")
+LINEAR_ATTENTION_MODULES = {slot: site for site in LINEAR_ATTENTION_SITES for slot in SITE_SLOTS[site]}
 HF_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MEGATRON_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "router")
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight")
@@ -55,6 +66,8 @@ def slot_path(site: str, slot: str, shared_expert: bool) -> str:
     """The slot's module (or parameter) path inside an HF decoder layer, e.g. ``self_attn.q_proj``."""
     if site in ("linear_qkv", "linear_proj"):
         return f"self_attn.{slot}"
+    if site in LINEAR_ATTENTION_SITES:
+        return f"linear_attn.{slot}"
     if site.startswith("experts."):
         return f"mlp.experts.{slot}"
     if site == "router":
@@ -96,10 +109,11 @@ class LoraConfig:
         object.__setattr__(self, "rank_pattern", dict(self.rank_pattern))
         object.__setattr__(self, "alpha_pattern", dict(self.alpha_pattern))
         for name in self.target_modules:
-            if name != "all-linear" and name not in HF_MODULES and name not in MEGATRON_MODULES:
+            known = HF_MODULES + MEGATRON_MODULES + tuple(LINEAR_ATTENTION_MODULES)
+            if name != "all-linear" and name not in known:
                 raise ValueError(
                     f"LoraConfig: unknown target module {name!r}. Use Hugging Face projection names "
-                    f"{list(HF_MODULES)}, Megatron names {list(MEGATRON_MODULES)} or 'all-linear' (routed "
+                    f"{list(HF_MODULES + tuple(LINEAR_ATTENTION_MODULES))}, Megatron names {list(MEGATRON_MODULES)} or 'all-linear' (routed "
                     "experts also via target_parameters; Qwen2-MoE's shared_expert_gate is not supported)"
                 )
         for name in self.target_parameters:
@@ -107,25 +121,36 @@ class LoraConfig:
                 raise ValueError(
                     f"LoraConfig: unknown target parameter {name!r}; supported: {list(EXPERT_PARAMETERS)}"
                 )
-        self.resolve(fused_experts=False, shared_expert=False)  # fail early on empty targets
+        # fail early on empty targets
+        self.resolve(fused_experts=False, shared_expert=False, in_proj=ANY_IN_PROJ)
 
-    def resolve(self, *, fused_experts: bool, shared_expert: bool, num_layers: int = 1) -> Sites:
+    def resolve(
+        self, *, fused_experts: bool, shared_expert: bool, num_layers: int = 1, in_proj: str | None = None
+    ) -> Sites:
         """Site -> slot -> rank/scaling for one model kind.
 
         ``fused_experts``: a transformers-5 fused-expert model on which peft rewrites v4 MLP names to
         expert parameters (Qwen3-MoE); ``shared_expert``: the MLP names mean the shared expert.
         ``num_layers``: the model's layers, each of which must resolve to the same ranks and alphas.
+        ``in_proj``: the model's Gated DeltaNet input site (:func:`in_proj_site`), None without such
+        layers; as in peft, names of projections the model lacks select nothing.
         """
         modules, params = set(self.target_modules), set(self.target_parameters)
         rank_pattern, alpha_pattern = dict(self.rank_pattern), dict(self.alpha_pattern)
+        linear_sites = {"out_proj"} | ({in_proj} if in_proj != ANY_IN_PROJ else {"in_proj", "in_proj_fused"})
+        linear_sites = linear_sites if in_proj is not None else set()
         if "all-linear" in modules:
             modules = (modules - {"all-linear"}) | set(HF_MODULES)
+            modules |= {m for m, site in LINEAR_ATTENTION_MODULES.items() if site in linear_sites}
             if fused_experts:
                 params.add("mlp.gate.weight")
         chosen: dict[str, set[str]] = {}
         for name in sorted(modules):
             if name in _ATTENTION:
                 chosen.setdefault(_ATTENTION[name], set()).add(name)
+            elif name in LINEAR_ATTENTION_MODULES:
+                if LINEAR_ATTENTION_MODULES[name] in linear_sites:
+                    chosen.setdefault(LINEAR_ATTENTION_MODULES[name], set()).add(name)
             elif name in _MLP and not fused_experts:
                 chosen.setdefault(_MLP[name], set()).add(name)
             elif name in MEGATRON_MODULES:
@@ -211,6 +236,27 @@ class LoraConfig:
             rank_pattern=raw.get("rank_pattern") or {},
             alpha_pattern=raw.get("alpha_pattern") or {},
         )
+
+
+ANY_IN_PROJ = "any"  # resolve's in_proj when the model is not known yet (both sets of names are valid)
+
+
+def set_model_facts(config, arch) -> None:
+    """Records on a TransformerConfig what resolving LoRA targets needs from the Hugging Face model that
+    the config does not say: the Gated DeltaNet input site (``lora_in_proj``) and, on hybrid MoE models,
+    whether peft maps v4 MLP names to the routed experts (``lora_fused_experts``): peft does so through
+    transformers' conversion table for Qwen3-Next (as for Qwen3-MoE), not for Qwen3.5-MoE, whose
+    gate/up/down_proj mean the shared expert (as on Qwen2-MoE)."""
+    config.lora_in_proj = in_proj_site(arch)
+    config.lora_fused_experts = arch.hybrid.fused_projections if arch.hybrid is not None else None
+
+
+def in_proj_site(arch) -> str | None:
+    """The Gated DeltaNet input site of a model (a QwenArch): Qwen3-Next's fused projections or
+    Qwen3.5's four; None for a model without linear-attention layers."""
+    if arch.hybrid is None:
+        return None
+    return "in_proj_fused" if arch.hybrid.fused_projections else "in_proj"
 
 
 def pattern_path(site: str, slot: str, shared_expert: bool) -> str:

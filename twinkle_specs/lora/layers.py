@@ -417,10 +417,15 @@ class LoraLayerMixin:
                 f"{key}: LoRA factors in a flattened (legacy fully-sharded) optimizer checkpoint; save "
                 "with --ckpt-format torch_dist and the default distributed-optimizer sharding"
             )
-        views = {
-            f"{key}.{slot}": data[self.lora_factor_index(which, slot)].contiguous()
-            for slot in self.lora_slots
-        }
+        views = {}
+        for slot in self.lora_slots:
+            block = data[self.lora_factor_index(which, slot)]
+            sections = self._lora_sections(slot) if which == "B" else {}
+            if not sections:
+                views[f"{key}.{slot}"] = block.contiguous()
+                continue
+            for section, rows in zip(sections, block.split(list(sections.values()), dim=-2), strict=True):
+                views[f"{key}.{slot}_{section}"] = rows.contiguous()
         if self.lora_num_gemms:
             tensors = _grouped_sharded(views, sharded_offsets)
         else:
@@ -440,9 +445,39 @@ class LoraLayerMixin:
         rank's B are zeros, as in training)."""
         first = next(iter(loaded.values()))
         out = torch.zeros(shape, dtype=first.dtype, device=first.device)
+        sections = {}
         for key, block in loaded.items():
-            out[self.lora_factor_index(which, key.rsplit(".", 1)[1])] = block
+            name = key.rsplit(".", 1)[1]
+            if name in self.lora_spec:
+                out[self.lora_factor_index(which, name)] = block
+            else:  # one section of a slot's B (see _lora_sections)
+                slot, section = name.rsplit("_", 1)
+                sections.setdefault(slot, {})[section] = block
+        for slot, parts in sections.items():
+            out[self.lora_factor_index(which, slot)] = torch.cat(
+                [parts[n] for n in self._lora_sections(slot)], -2
+            )
         return out
+
+    def _lora_sections(self, slot: str) -> dict[str, int]:
+        """The sections of ``slot``'s B rows on this rank where the slot holds several TP-split parts of
+        the Gated DeltaNet's in_proj (each rank has its part of each: [q; k; v] of ``in_proj_qkv``), as
+        {name: local rows}; empty for a slot that is one TP-split block. Checkpointed one tensor per
+        section, so the global tensors do not depend on the TP size (as megatron-core splits in_proj)."""
+        if self.lora_site not in ("in_proj", "in_proj_fused"):
+            return {}
+        c, tp = self.config, self.lora_tp_size
+        qk, v = (
+            c.linear_num_key_heads * c.linear_key_head_dim,
+            c.linear_num_value_heads * c.linear_value_head_dim,
+        )
+        nv = c.linear_num_value_heads
+        parts = {
+            "in_proj_qkv": {"q": qk, "k": qk, "v": v},
+            "in_proj_qkvz": {"q": qk, "k": qk, "v": v, "z": v},
+            "in_proj_ba": {"b": nv, "a": nv},
+        }.get(slot, {})
+        return {name: n // tp for name, n in parts.items()}
 
 
 class LoraBank:
@@ -525,7 +560,16 @@ class LoraBank:
         return build, merge
 
 
-_FORWARD_SITES = ("linear_qkv", "linear_proj", "router", "linear_fc1", "linear_fc2")
+_FORWARD_SITES = (
+    "linear_qkv",
+    "in_proj",
+    "in_proj_fused",
+    "linear_proj",
+    "out_proj",
+    "router",
+    "linear_fc1",
+    "linear_fc2",
+)
 
 
 def _forward_place(module: LoraLayerMixin) -> int:
@@ -614,13 +658,21 @@ def _offsets(sizes: dict[str, int]) -> dict[str, int]:
 
 
 def _slot_out_sizes(site: str, output_size: int, config: Any) -> dict[str, int]:
-    """Global output rows of every slot of ``site`` (QKV from the head counts, gate/up halves)."""
+    """Global output rows of every slot of ``site`` (QKV from the head counts, gate/up halves, the Gated
+    DeltaNet's projections from its head counts). A gated attention's ``q_proj`` holds the gates too."""
     if site == "linear_qkv":
         d = config.kv_channels
-        sizes = {"q_proj": config.num_attention_heads * d}
+        sizes = {"q_proj": config.num_attention_heads * d * (2 if config.attention_output_gate else 1)}
         sizes |= {"k_proj": config.num_query_groups * d, "v_proj": config.num_query_groups * d}
     elif site == "linear_fc1":
         sizes = {"gate_proj": output_size // 2, "up_proj": output_size // 2}
+    elif site in ("in_proj", "in_proj_fused"):
+        qk = config.linear_num_key_heads * config.linear_key_head_dim
+        v, nv = config.linear_num_value_heads * config.linear_value_head_dim, config.linear_num_value_heads
+        if site == "in_proj":
+            sizes = {"in_proj_qkv": 2 * qk + v, "in_proj_z": v, "in_proj_b": nv, "in_proj_a": nv}
+        else:
+            sizes = {"in_proj_qkvz": 2 * qk + 2 * v, "in_proj_ba": 2 * nv}
     else:
         sizes = {SITE_SLOTS[site][0]: output_size}  # single-slot sites, the router's ``gate`` too
     if sum(sizes.values()) != output_size:

@@ -10,6 +10,11 @@ Routed experts use peft's ``target_parameters`` layout on transformers' fused ex
 reads for MoE LoRA too): ``lora_A`` is [r * E, in] (expert-major), ``lora_B`` is [out, r * E]
 (rank-major, expert-minor); with both expert parameters targeted, peft nests its wrappers and the
 gate_up_proj factors sit under ``experts.base_layer``.
+
+Hybrid models reorder rows between transformers and Megatron (the gated attention's q_proj: query and
+gate per head, Megatron: all queries then all gates per group; the Gated DeltaNet's in_proj: sections
+per TP rank, Qwen3-Next's per key head). A slot's B rows then follow the base weight's own layout
+(:func:`_peft_rows`, from the weight map's GatedQKV / GDNInProj), so adapters move like the weights.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ..weight_map import bind
 from .config import LoraConfig, Sites, pattern_path, slot_path
 from .layers import LoraLayerMixin
 from .model import lora_modules
+from .spec import fused_experts, lora_in_proj
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -51,6 +57,8 @@ class Factor:
     tp_dim: int | None  # dimension split over TP ranks, None when replicated
     expert: int | None  # global expert index for routed experts (PEFT stacks them)
     num_experts: int
+    # PEFT rows of B in this rank's order, and of all TP ranks in gather order (None: contiguous blocks)
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -80,9 +88,10 @@ def resolve_for(model, lora: LoraConfig) -> Sites:
     """What ``lora`` means on this model (the spec resolves it the same way when building layers)."""
     config = model_chunks(model)[0].config
     return lora.resolve(
-        fused_experts=bool(config.num_moe_experts) and config.qk_layernorm,
+        fused_experts=fused_experts(config),
         shared_expert=bool(config.moe_shared_expert_intermediate_size),
         num_layers=config.num_layers,
+        in_proj=lora_in_proj(config),
     )
 
 
@@ -116,10 +125,33 @@ def factors(model) -> Iterator[Factor]:
             binding = bind(
                 weight_name, arch, chunk.vocab_size, global_layer, lambda e: ep_rank * local_experts + e
             )
-            yield from _slot_factors(layer, binding.hf_names, gemm, expert_sites, arch.num_experts or 0)
+            yield from _slot_factors(
+                layer, binding.hf_names, gemm, expert_sites, arch.num_experts or 0, binding.layout
+            )
 
 
-def _slot_factors(layer: LoraLayerMixin, hf_names, gemm, expert_sites, num_experts) -> Iterator[Factor]:
+def _peft_rows(layout, hf_names, slot: str, rank: int, size: int) -> torch.Tensor | None:
+    """The rows of ``slot``'s PEFT B that TP rank ``rank`` holds, in Megatron's order, where the base
+    weight's layout reorders rows (the weight map's GatedQKV, GDNInProj); None where they are a plain
+    contiguous block. Found by running the layout's own loader on row numbers."""
+    from ..weight_map_hybrid import GatedQKV, GDNInProj
+
+    if not isinstance(layout, GatedQKV | GDNInProj):
+        return None
+    stride = 1 << 32
+    index = {name: i for i, name in enumerate(hf_names)}
+
+    def read(name: str, rows: tuple[int, int], cols: None) -> torch.Tensor:
+        return (index[name] * stride + torch.arange(*rows)).view(-1, 1)
+
+    ids = layout.load(read, hf_names, rank, size).view(-1)
+    (mine,) = [i for i, n in enumerate(hf_names) if n.split(".")[-2] == slot]
+    return ids[ids // stride == mine] % stride
+
+
+def _slot_factors(
+    layer: LoraLayerMixin, hf_names, gemm, expert_sites, num_experts, layout=None
+) -> Iterator[Factor]:
     column = layer.lora_parallel == "column"
     tp_dims = {"A": None if column else 1, "B": 0 if column else None} if layer.lora_tp_size > 1 else {}
     for slot in layer.lora_slots:
@@ -132,6 +164,14 @@ def _slot_factors(layer: LoraLayerMixin, hf_names, gemm, expert_sites, num_exper
         else:
             (hf,) = [n for n in hf_names if n.split(".")[-2] == slot]
             base, expert = f"{PREFIX}{hf.removesuffix('.weight')}", None
+        rows = None
+        if column and _peft_rows(layout, hf_names, slot, 0, 1) is not None:
+            size, rank = (
+                layer.lora_tp_size,
+                ps.get_tensor_model_parallel_rank() if layer.lora_tp_size > 1 else 0,
+            )
+            per_rank = [_peft_rows(layout, hf_names, slot, r, size) for r in range(size)]
+            rows = (per_rank[rank], torch.cat(per_rank))
         for which in "AB":
             yield Factor(
                 layer,
@@ -141,6 +181,7 @@ def _slot_factors(layer: LoraLayerMixin, hf_names, gemm, expert_sites, num_exper
                 tp_dims.get(which),
                 expert,
                 num_experts,
+                rows if which == "B" else None,
             )
 
 
@@ -173,6 +214,8 @@ def gather_peft_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] |
         t = (f.grad if grads else f.tensor).detach()
         if f.tp_dim is not None:
             t = _gather_tp(t, f.tp_dim)
+        if f.rows is not None:  # Megatron's row order -> PEFT's
+            t = torch.empty_like(t).index_copy_(0, f.rows[1], t)
         if f.expert is None:
             local[f.key] = t.cpu()
         else:
@@ -321,6 +364,12 @@ def _describe(sites: Sites, site: str, slot: str) -> str:
 
 
 def _slice_for_rank(full: torch.Tensor, fac: Factor, path: Path) -> torch.Tensor:
+    if fac.rows is not None:
+        if full.shape[0] != fac.rows[1].numel():
+            raise ValueError(
+                f"{path}: {fac.key!r} has {full.shape[0]} rows, the base model {fac.rows[1].numel()}"
+            )
+        return full[fac.rows[0]]
     if fac.expert is not None:
         which = fac.key.split(".")[-2][-1]
         e = fac.num_experts

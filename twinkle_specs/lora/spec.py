@@ -9,6 +9,7 @@ import dataclasses
 import functools
 from typing import Any
 
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
@@ -161,33 +162,88 @@ def lora_layer_submodules(
 
     Qwen3-MoE (MoE with q/k norm, among the supported Qwen models) is the fused-expert model on which
     peft maps gate/up/down_proj to the routed experts; Qwen2-MoE's MLP names mean its shared expert.
+
+    Hybrid models: a Gated DeltaNet layer's ``in_proj``/``out_proj`` are wrapped (:func:`_wrap_gdn`); the
+    gated attention of their full-attention layers keeps its own q/k norms (zero-centred) and class,
+    since the fused norm/RoPE split of LoraSelfAttention knows no output gate.
     """
     sites = lora.resolve(
-        fused_experts=bool(config.num_moe_experts) and config.qk_layernorm,
+        fused_experts=fused_experts(config),
         shared_expert=bool(config.moe_shared_expert_intermediate_size),
         num_layers=config.num_layers,
+        in_proj=lora_in_proj(config),
     )
     p = lora.lora_dropout
     layer = {}  # the layer's submodules that change besides attention and MLP
     keys_map = dict(submodules.sharded_state_dict_keys_map)
     attn = submodules.self_attention
     attn_sub = _submodules(attn)
+    if isinstance(attn_sub, GatedDeltaNetSubmodules):
+        attn, layer, keys_map = _wrap_gdn(attn, sites, p, lora_in_proj(config), submodules, keys_map)
+        return _with_mlp(submodules, attn, layer, keys_map, sites, p)
     qkv = attn_sub.linear_qkv
     if "linear_qkv" in sites and (split := _unfused(qkv)):
         layer["input_layernorm"], qkv = split
         keys_map["input_layernorm."] = "self_attention.linear_qkv.layer_norm_"
+    gated = bool(config.attention_output_gate)
     attn_sub = dataclasses.replace(
         attn_sub,
         linear_qkv=_wrap(qkv, "linear_qkv", sites, p),
         linear_proj=_wrap(attn_sub.linear_proj, "linear_proj", sites, p),
-        q_layernorm=_qk_norm(attn_sub.q_layernorm),
-        k_layernorm=_qk_norm(attn_sub.k_layernorm),
+        q_layernorm=attn_sub.q_layernorm if gated else _qk_norm(attn_sub.q_layernorm),
+        k_layernorm=attn_sub.k_layernorm if gated else _qk_norm(attn_sub.k_layernorm),
     )
     attn = _with_submodules(attn, attn_sub)
     if _class_of(attn) is SelfAttention and _frozen_norms(attn_sub):
         from .attention import LoraSelfAttention  # the frozen q/k norms and RoPE fused with the split
 
         attn = _with_class(attn, LoraSelfAttention)
+    return _with_mlp(submodules, attn, layer, keys_map, sites, p)
+
+
+def fused_experts(config: TransformerConfig) -> bool:
+    """Whether peft maps v4 MLP names to the routed experts on this model: Qwen3-MoE (MoE with q/k norm)
+    and what :func:`~twinkle_specs.lora.config.set_model_facts` recorded for hybrid models."""
+    recorded = getattr(config, "lora_fused_experts", None)
+    if recorded is not None:
+        return bool(config.num_moe_experts) and recorded
+    return bool(config.num_moe_experts) and config.qk_layernorm
+
+
+def lora_in_proj(config: TransformerConfig) -> str | None:
+    """The Gated DeltaNet input site of the model ``config`` describes (set beside ``config.lora`` from the
+    Hugging Face architecture, :func:`~twinkle_specs.lora.config.in_proj_site`); None without such layers."""
+    if config.experimental_attention_variant != "gated_delta_net":
+        return None
+    site = getattr(config, "lora_in_proj", None)
+    if site is None:
+        raise ValueError(
+            "LoRA on a Gated DeltaNet model needs config.lora_in_proj (in_proj or in_proj_fused, from "
+            "twinkle_specs.lora.config.in_proj_site(arch)); build the model with build_model(hf_dir, lora=...)"
+        )
+    return site
+
+
+def _wrap_gdn(attn: Any, sites: Sites, p: float, in_proj_site: str | None, submodules, keys_map: dict):
+    """A Gated DeltaNet spec with its in_proj (site ``in_proj_site``) and out_proj wrapped; a targeted
+    TE in_proj with the layer's input norm fused is split into that norm and a plain linear first."""
+    sub, layer = _submodules(attn), {}
+    in_proj = sub.in_proj
+    if in_proj_site in sites and (split := _unfused(in_proj)):
+        layer["input_layernorm"], in_proj = split
+        keys_map = {**keys_map, "input_layernorm.": "self_attention.in_proj.layer_norm_"}
+    sub = dataclasses.replace(
+        sub,
+        in_proj=_wrap(in_proj, in_proj_site, sites, p),
+        out_proj=_wrap(sub.out_proj, "out_proj", sites, p),
+    )
+    return _with_submodules(attn, sub), layer, keys_map
+
+
+def _with_mlp(
+    submodules: TransformerLayerSubmodules, attn: Any, layer: dict, keys_map: dict, sites: Sites, p: float
+) -> TransformerLayerSubmodules:
+    """``submodules`` with attention ``attn``, the MLP's targeted linears wrapped, and ``layer``'s norms."""
     mlp = submodules.mlp
     mlp_sub = _submodules(mlp)
     if isinstance(mlp_sub, MoESubmodules):
