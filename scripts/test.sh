@@ -37,12 +37,17 @@ system_packages() {
 }
 
 python312() {
-  if [ -n "${PYTHON312:-}" ]; then echo "$PYTHON312"; return; fi
-  if command -v python3.12 >/dev/null 2>&1; then command -v python3.12; return; fi
-  local root
+  local candidate root
   root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+  # a pyenv shim is on PATH even where its version is not the selected one: take the first that runs
   # shellcheck disable=SC2012  # version folder names, newest last
-  ls -d "$root"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1
+  for candidate in "${PYTHON312:-}" "$(command -v python3.12 || true)" \
+    "$(ls -d "$root"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1)"; do
+    if [ -n "$candidate" ] && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+      echo "$candidate"
+      return
+    fi
+  done
 }
 
 # Leg 0.19's environment: torch 2.11 from PyPI (the GPU machine's version; a CUDA build, run on the CPU here;
