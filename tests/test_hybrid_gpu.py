@@ -1,6 +1,6 @@
 """The hybrid Qwen models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) on a GPU: ``build_model``'s CUDA model (Transformer
 Engine linears and attention; fla's chunked gated delta rule and causal-conv1d where installed) against
-transformers' fp32 logits, in fp32 and bf16, with the bf16 error bounded by transformers' own bf16 error.
+transformers' fp32 logits on the GPU, in fp32 and bf16, with the bf16 error bounded by transformers' own bf16 error.
 
 Writes the measured statistics to $TWINKLE_EVIDENCE_DIR/hybrid-gpu.json when that is set.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_checks import BF16_ERROR_RATIO, BF16_MIN_COSINE, FP32_MAX_ABS, FP32_MOE_MAX_ABS, Evidence
-from hybrid_models import VOCAB, hybrid_batch, hybrid_hf_logits, make_hybrid_checkpoint
+from hybrid_models import VOCAB, hybrid_batch, make_hybrid_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,6 +27,16 @@ def single_gpu():
     _init_single_process()
 
 
+def _transformers_logits(hf, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """transformers on the GPU (with fla installed its Gated DeltaNet takes fla's kernels, which refuse
+    host tensors), in ``dtype``, as fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype).cuda().eval()
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hybrid_cuda_path_matches_transformers(kind, dtype, tmp_path_factory, single_gpu):
@@ -39,7 +49,7 @@ def test_hybrid_cuda_path_matches_transformers(kind, dtype, tmp_path_factory, si
     with torch.no_grad():
         pos = torch.arange(tokens.shape[1], device="cuda").expand_as(tokens)
         ours = model(tokens, pos, None)[..., :VOCAB].float()
-    truth = hybrid_hf_logits(hf, tokens.cpu()).cuda()  # transformers in fp32 on the host: the reference
+    truth = _transformers_logits(hf, tokens, torch.float32)  # the reference
     layers = model.decoder.layers
     kinds = sorted({f"{type(m.self_attention).__name__}/{type(m.mlp).__name__}" for m in layers})
     name = f"{kind}-{str(dtype).removeprefix('torch.')}"
@@ -48,11 +58,7 @@ def test_hybrid_cuda_path_matches_transformers(kind, dtype, tmp_path_factory, si
         EVIDENCE.record(name, modules=kinds, **stats.as_dict())
         assert stats.max_abs <= (FP32_MOE_MAX_ABS if "moe" in kind or "next" in kind else FP32_MAX_ABS), stats
         return
-    from transformers import AutoModelForCausalLM
-
-    ref_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).cuda().eval()
-    with torch.no_grad():
-        ref = ref_model(tokens).logits.float()
+    ref = _transformers_logits(hf, tokens, torch.bfloat16)
     hf_err = compare_logits(ref, truth)
     EVIDENCE.record(
         name, modules=kinds, ours_vs_fp32=stats.as_dict(), transformers_bf16_vs_fp32=hf_err.as_dict()
