@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_checks import BF16_ERROR_RATIO, BF16_MIN_COSINE, FP32_MAX_ABS, FP32_MOE_MAX_ABS, Evidence
+from gpu_checks import BF16_ERROR_RATIO, FP32_MOE_MAX_ABS, Evidence
 from hybrid_models import VOCAB, hybrid_batch, make_hybrid_checkpoint
 
 pytestmark = [
@@ -18,6 +18,11 @@ pytestmark = [
 ]
 
 EVIDENCE = Evidence("hybrid-gpu.json")
+# fp32 on an H100, both models on CUDA with fla's Triton kernels for the gated delta rule (2026-11-25):
+# max |Δ| 1.17e-2 (Qwen3-Next) and 1.28e-2 (Qwen3.5), mean 8.8e-4 to 1.3e-3; Qwen3.5-MoE 0.219 at one
+# position (a routing near-tie, argmax agreement 0.994; FP32_MOE_MAX_ABS covers it as for Qwen3-MoE).
+HYBRID_FP32_MAX_ABS = 3e-2
+HYBRID_FP32_MEAN_ABS = 3e-3
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +61,16 @@ def test_hybrid_cuda_path_matches_transformers(kind, dtype, tmp_path_factory, si
     stats = compare_logits(ours, truth)
     if dtype == torch.float32:
         EVIDENCE.record(name, modules=kinds, **stats.as_dict())
-        assert stats.max_abs <= (FP32_MOE_MAX_ABS if "moe" in kind or "next" in kind else FP32_MAX_ABS), stats
+        moe = kind in ("qwen3_next", "qwen3_5_moe")
+        assert stats.max_abs <= (FP32_MOE_MAX_ABS if moe else HYBRID_FP32_MAX_ABS), stats
+        assert stats.mean_abs <= HYBRID_FP32_MEAN_ABS, stats
         return
     ref = _transformers_logits(hf, tokens, torch.bfloat16)
     hf_err = compare_logits(ref, truth)
     EVIDENCE.record(
         name, modules=kinds, ours_vs_fp32=stats.as_dict(), transformers_bf16_vs_fp32=hf_err.as_dict()
     )
+    # bf16 error bounded by transformers' own bf16 error (these tiny random models drift further in bf16
+    # than the dense test models: transformers itself reaches cosine 0.9971 against its fp32 run).
     assert stats.mean_abs <= BF16_ERROR_RATIO * hf_err.mean_abs, (stats, hf_err)
-    assert stats.cosine >= BF16_MIN_COSINE, stats
+    assert 1 - stats.cosine <= BF16_ERROR_RATIO * (1 - hf_err.cosine), (stats, hf_err)
