@@ -17,11 +17,13 @@ from .os_errors import os_error_line
 
 # What megatron-core announces on a machine without Apex or Transformer Engine (any CPU host): the fallbacks
 # it names are the expected ones there, and a screen of them would bury the command's report. megatron-core
-# 0.16's own TransformerConfig default also warns on every config. Matched exactly; every other warning shows.
+# 0.16's and 0.19's own TransformerConfig default also warns on every config. Matched exactly; every other
+# warning shows.
 KNOWN_UPSTREAM_WARNINGS = (
     r"Transformer Engine and Apex are not installed\. Falling back to ",
     r"Apex is not installed\. Falling back to Torch Norm",
-    r"full scope is deprecated\. Use empty cuda_graph_scope to capture the whole layer\.",
+    r"full scope is deprecated\. Use empty cuda_graph_(scope|modules) to capture the whole layer\.",  # 0.16 | 0.19
+    r"absl\.logging is not installed\. Using logging\.getLogger",  # megatron-core 0.19's hyper_comm_grid
 )
 
 
