@@ -160,15 +160,19 @@ def test_flags_need_megatron_lm_019(checkpoints):
 
 
 @pytest.mark.skipif(_installed_megatron_core().release >= (0, 19), reason="megatron-core here is 0.19+")
-def test_launcher_refuses_yarn_before_megatron_019(checkpoints):
-    """The launcher turns config.json into Megatron-LM flags, which exist only from core_v0.19 on."""
+def test_launcher_refuses_yarn_before_megatron_019(checkpoints, capsys):
+    """The launcher turns config.json into Megatron-LM flags, which exist only from core_v0.19 on: a
+    configuration error, one line, exit 2."""
+    import re
+
     from twinkle_specs import launch
 
     hf = str(checkpoints("qwen3_yarn"))
-    with pytest.raises(
-        SystemExit, match=r"rope_type='yarn' needs Megatron-LM core_v0\.19\+.*here is 0\.1[0-8]"
-    ):
+    with pytest.raises(SystemExit) as exit_:
         launch.main(["pretrain_gpt.py", "--hf-model", hf, "--micro-batch-size", "1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"rope_type='yarn' needs Megatron-LM core_v0\.19\+.*here is 0\.1[0-8]", err), err
     with pytest.raises(UnsupportedConfigError, match="core_v0.19"):
         ts.megatron_args_from_hf(hf)  # what `twinkle-specs args` prints
     assert _yarn_attrs(ts.transformer_config_from_hf(hf))  # our own GPTModel construction still has it
