@@ -15,6 +15,7 @@ from . import (
     cross_entropy_without_sync,
     cuda_device_on_host,
     grad_norm_on_device,
+    packed_seq_1d,
     rope_on_host,
     router_on_host,
     tied_embedding_on_host,
@@ -27,6 +28,7 @@ PATCHES = [
     cuda_device_on_host,
     grad_norm_on_device,
     cross_entropy_without_sync,
+    packed_seq_1d,
 ]
 OFF_ENV = "TWINKLE_PATCHES_OFF"
 _applied: set[str] = set()

@@ -42,6 +42,7 @@ TARGETS = {
     "cross_entropy_without_sync": [
         "megatron.core.models.common.language_module.language_module:te_parallel_cross_entropy"
     ],
+    "packed_seq_1d": ["megatron.core.utils:get_thd_batch_on_this_cp_rank"],
 }
 for target in [t for ts in TARGETS.values() for t in ts] + ["megatron.core.models.gpt:GPTModel"]:
     importlib.import_module(target.partition(":")[0])

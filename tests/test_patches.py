@@ -11,17 +11,42 @@ from twinkle_specs.patches import (
     PATCHES,
     apply_all,
     cuda_device_on_host,
+    packed_seq_1d,
     rope_on_host,
     router_on_host,
     tied_embedding_on_host,
 )
+from twinkle_specs.patches.gates import megatron_core_in
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches fix CPU-only hosts")
+# What upstream raises without a GPU: a CPU build of torch says "not compiled with CUDA enabled", a CUDA
+# build on a host without a driver says "Found no NVIDIA driver".
+NO_GPU = "CUDA|NVIDIA driver"
 ON_HOST = [rope_on_host, router_on_host, tied_embedding_on_host, cuda_device_on_host]
 
 
 def test_all_host_patches_apply_on_cpu_hosts():
-    assert apply_all() == sorted(p.__name__ for p in ON_HOST)
+    version_only = [packed_seq_1d] if packed_seq_1d.is_needed() else []
+    assert apply_all() == sorted(p.__name__ for p in ON_HOST + version_only)
+
+
+def test_packed_sequence_bounds_reach_the_model_1d():
+    """pretrain_gpt.py (core_v0.16.1) hands get_thd_batch_on_this_cp_rank the collated [1, n] bounds."""
+    from megatron.core import utils
+
+    assert packed_seq_1d.is_needed() == megatron_core_in("0.16", "0.17")
+    if not hasattr(utils, "get_thd_batch_on_this_cp_rank"):
+        pytest.skip("megatron-core 0.19 builds packed batches without get_thd_batch_on_this_cp_rank")
+    cu = torch.tensor([[0, 5, 9, 16]], dtype=torch.int32)
+    upstream = getattr(
+        utils.get_thd_batch_on_this_cp_rank, "__wrapped__", utils.get_thd_batch_on_this_cp_rank
+    )
+    batch = {"tokens": torch.zeros(1, 16, dtype=torch.long)}
+    max_seqlen = torch.tensor([7], dtype=torch.int32)
+    _, params = upstream(dict(batch), cu, None, max_seqlen, cp_size=1, cp_rank=0)
+    assert params.cu_seqlens_q.shape == (1, 4)  # what TE's THD kernels refuse ("expected 1D tensor")
+    _, params = packed_seq_1d.with_1d_bounds(upstream)(dict(batch), cu, cu, max_seqlen, cp_size=1, cp_rank=0)
+    assert params.cu_seqlens_q.tolist() == params.cu_seqlens_q_padded.tolist() == [0, 5, 9, 16]
 
 
 def test_rope_needs_and_gets_the_patch():
@@ -38,7 +63,7 @@ def test_rope_needs_and_gets_the_patch():
     import megatron.core.models.common.embeddings.rotary_pos_embedding as rpe
 
     fresh = importlib.reload(rpe).RotaryEmbedding
-    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+    with pytest.raises((AssertionError, RuntimeError), match=NO_GPU):
         fresh(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True).get_emb(5)
     rpe.RotaryEmbedding.get_emb = rope_on_host.get_emb_on_host  # leave the reloaded module patched
 
@@ -59,7 +84,7 @@ def test_router_needs_and_gets_the_patch():
     x = torch.randn(3, 8)
     assert torch.allclose(router_on_host.gating_on_host(Fake(), x), x @ Fake.weight.T)
     upstream = importlib.reload(router_mod).Router.gating
-    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+    with pytest.raises((AssertionError, RuntimeError), match=NO_GPU):
         upstream(Fake(), x)
     router_mod.Router.gating = router_on_host.gating_on_host
 
@@ -75,7 +100,7 @@ def test_tied_embedding_patch_runs_upstream_on_host_and_restores_tensor_cuda():
     def upstream(self):
         self.seen = torch.ones(1).cuda()
 
-    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+    with pytest.raises((AssertionError, RuntimeError), match=NO_GPU):
         upstream(Fake())
     cuda, patched = torch.Tensor.cuda, LanguageModule.setup_embeddings_and_output_layer
     LanguageModule.setup_embeddings_and_output_layer = upstream
@@ -93,7 +118,7 @@ def test_collectives_allocate_on_host_only_inside_megatron_mappings():
     from megatron.core import utils
     from megatron.core.tensor_parallel import mappings
 
-    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+    with pytest.raises((AssertionError, RuntimeError), match=NO_GPU):
         torch.cuda.current_device()  # what upstream's allocations call
     assert mappings.torch.cuda.current_device() == "cpu" and utils.torch.cuda.current_device() == "cpu"
     assert mappings.torch.empty(2, device=mappings.torch.cuda.current_device()).device.type == "cpu"
@@ -116,7 +141,8 @@ def test_patches_off_env_skips_named_patches_and_rejects_unknown_names(monkeypat
         monkeypatch.setattr(patch, "apply", lambda p=patch: calls.append(patches.short_name(p)))
     monkeypatch.setenv(patches.OFF_ENV, " rope_on_host, router_on_host")
     applied = apply_all()
-    assert calls == ["tied_embedding_on_host", "cuda_device_on_host"], calls
+    version_only = ["packed_seq_1d"] if packed_seq_1d.is_needed() else []
+    assert calls == ["tied_embedding_on_host", "cuda_device_on_host", *version_only], calls
     assert applied == sorted(f"twinkle_specs.patches.{n}" for n in calls)
     monkeypatch.setenv(patches.OFF_ENV, "rope_on_host,grad_norm")
     with pytest.raises(ValueError, match=r"TWINKLE_PATCHES_OFF.*\['grad_norm'\].*grad_norm_on_device"):

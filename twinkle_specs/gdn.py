@@ -153,11 +153,23 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         )
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **kwargs):
-        """[s, b, h] -> ([s, b, h], None). Causal by construction: the attention mask is not used."""
-        if packed_seq_params is not None or kwargs.get("inference_context") is not None:
-            raise NotImplementedError("Gated DeltaNet: packed sequences and inference are not supported")
+        """[s, b, h] -> ([s, b, h], None). Causal by construction: the attention mask is not used. Packed
+        sequences (THD, ``cu_seqlens``) run the convolution and the recurrence per sequence, each from a
+        zero state, as each sequence alone would."""
+        if kwargs.get("inference_context") is not None:
+            raise NotImplementedError("Gated DeltaNet: inference is not supported")
         qkvzba, _ = self.in_proj(hidden_states)
         qkvzba = qkvzba.transpose(0, 1)  # [b, s, x]
+        if packed_seq_params is None:
+            out = self._mix(qkvzba)
+        else:
+            out = torch.cat(
+                [self._mix(qkvzba[:, a:b]) for a, b in _sequences(packed_seq_params, qkvzba)], dim=1
+            )
+        return self.out_proj(out.transpose(0, 1).contiguous())
+
+    def _mix(self, qkvzba: torch.Tensor) -> torch.Tensor:
+        """The token mixing of one batch of whole sequences: in_proj's output [b, s, x] -> [b, s, v]."""
         batch, seq_len = qkvzba.shape[:2]
         tp = self.tp_size
         qkv, gate, beta, alpha = torch.split(
@@ -197,8 +209,7 @@ class PortableGatedDeltaNet(GatedDeltaNet):
                 use_qk_l2norm_in_kernel=True,
             )
         out = self._apply_gated_norm(out, gate.reshape(batch, seq_len, -1, self.value_head_dim))
-        out = out.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()
-        return self.out_proj(out)
+        return out.reshape(batch, seq_len, -1)
 
     def _apply_gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """megatron-core's gated norm; compiled (its ``jit_fuser``) only on CUDA, where compiling pays."""
@@ -209,3 +220,12 @@ class PortableGatedDeltaNet(GatedDeltaNet):
 
     def reset_parameters(self) -> None:
         """Weights come from the checkpoint; the random init of megatron-core's module needs CUDA."""
+
+
+def _sequences(params, qkvzba: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each packed sequence (the padded bounds where given), covering all tokens."""
+    if params.qkv_format != "thd" or qkvzba.shape[0] != 1:
+        raise NotImplementedError("Gated DeltaNet takes packed sequences in THD format (micro-batch 1) only")
+    bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    cuts = sorted({0, qkvzba.shape[1], *(int(b) for b in bounds.tolist() if 0 < b < qkvzba.shape[1])})
+    return list(zip(cuts[:-1], cuts[1:], strict=True))

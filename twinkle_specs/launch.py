@@ -405,8 +405,9 @@ def _set_megatron_padded_vocab(rows: int) -> None:
 
 
 def _maybe_dump_batches(model) -> None:
-    """With $TWINKLE_DUMP_BATCHES set to a directory, saves the tokens and labels of the first training
-    micro-batches this stage sees, so the iteration-1 loss can be checked against transformers.
+    """With $TWINKLE_DUMP_BATCHES set to a directory, saves the tokens and labels (and, where given, the
+    loss mask and packed-sequence bounds) of the first training micro-batches this stage sees, so the
+    iteration-1 loss can be checked against transformers.
 
     Under pipeline parallelism Megatron-LM core_v0.19 gives the first stage no labels and the last stage
     no tokens, so each stage saves what it has; files of one data-parallel rank and micro-batch share
@@ -428,10 +429,13 @@ def _maybe_dump_batches(model) -> None:
             return
         Path(out).mkdir(parents=True, exist_ok=True)
         name = f"dp{ps.get_data_parallel_rank()}-mb{count['n']}-pp{ps.get_pipeline_model_parallel_rank()}.pt"
+        mask, packed = kwargs.get("loss_mask"), kwargs.get("packed_seq_params")
         torch.save(
             {
                 "tokens": None if tokens is None else tokens.cpu(),
                 "labels": None if labels is None else labels.cpu(),
+                "loss_mask": None if mask is None or labels is None else mask.cpu(),
+                "cu_seqlens": None if packed is None else packed.cu_seqlens_q.cpu(),
             },
             Path(out) / name,
         )
@@ -506,6 +510,100 @@ def check_hf_export(user: list[str]) -> None:
         raise LaunchError("--hf-export-on-save exports every --save checkpoint: pass --save DIR, or drop it")
     sources = {f: flags[f][-1] if flags.get(f) else None for f in _EXPORT_SOURCES}
     check_target(pre.hf_export, **_export_target(sources, pre.hf_export_overwrite, pre.hf_export_on_save))
+
+
+SFT_CUDA_GRAPH_FLAGS = ("--enable-cuda-graph", "--external-cuda-graph", "--cuda-graph-impl")
+
+
+def sft_flags(hf_dir: str, user: list[str]) -> list[str]:
+    """``--sft`` (Megatron-LM's packed conversation data): refuses what cannot run before anything starts,
+    checks that the checkpoint's tokenizer gives the loss mask (:mod:`twinkle_specs.sft`), and returns the
+    flag Megatron's SFT dataset needs (no attention mask from the dataloader: the rows are packed)."""
+    given = flag_values(user)
+    if "--sft" not in given:
+        return []
+    mbs = given.get("--micro-batch-size", ["1"])
+    if mbs and mbs[0] != "1":
+        raise LaunchError(
+            f"--sft packs conversations into rows of --seq-length tokens, one row per micro-batch: "
+            f"--micro-batch-size {mbs[0]} must be 1 (raise --seq-length for more tokens per step)"
+        )
+    graphs = [f for f in SFT_CUDA_GRAPH_FLAGS if f in given and given[f] != ["none"]]
+    if graphs:
+        raise LaunchError(
+            f"--sft with {graphs[0]}: CUDA graphs capture one sequence layout and packed rows change it every "
+            "step; drop the CUDA graph flags for SFT"
+        )
+    if "--tokenizer-type" not in given:
+        from .sft import QwenChatTokenizer
+
+        QwenChatTokenizer(hf_dir)  # a tokenizer without a chat template or Qwen's tokens is refused here
+    import importlib.util
+
+    if importlib.util.find_spec("datasets") is None:
+        raise LaunchError(
+            "--sft: Megatron-LM reads the JSONL conversations with the datasets library, which is not "
+            "installed; pip install 'twinkle-specs[sft]'"
+        )
+    return (
+        []
+        if "--no-create-attention-mask-in-dataloader" in given
+        else ["--no-create-attention-mask-in-dataloader"]
+    )
+
+
+def _wrap_build_tokenizer(original):
+    """With ``--sft`` and the checkpoint's own tokenizer, the tokenizer Megatron builds is wrapped in
+    :class:`~twinkle_specs.sft.QwenChatTokenizer` (chat template, answer-only targets, Qwen's pad/eod)."""
+
+    @functools.wraps(original)
+    def build_tokenizer(args, *rest, **kwargs):
+        tokenizer = original(args, *rest, **kwargs)
+        if not (getattr(args, "sft", False) and _RUN_SFT_CHAT):
+            return tokenizer
+        from .sft import ChatDataError, QwenChatTokenizer
+
+        try:
+            return QwenChatTokenizer(args.hf_model, base=tokenizer)
+        except ChatDataError as err:
+            raise LaunchError(str(err)) from err
+
+    return build_tokenizer
+
+
+# Where Megatron-LM defines the ``build_tokenizer`` that global_vars and pretrain_gpt.py's SFT dataset
+# config call (pretrain_gpt.py builds its own): core_v0.19, core_v0.16.1, and the legacy tokenizers.
+TOKENIZER_BUILDERS = (
+    "megatron.core.tokenizers.utils.build_tokenizer",
+    "megatron.core.tokenizers.text.utils.build_tokenizer",
+    "megatron.training.tokenizer.tokenizer",
+)
+
+
+def install_tokenizer_hook() -> None:
+    """Wraps each ``build_tokenizer`` (:func:`_wrap_build_tokenizer`) where it is defined and where
+    megatron.training has imported it; the training script imports the wrapped one."""
+    import importlib
+
+    for name in TOKENIZER_BUILDERS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # not on this megatron-core line
+            continue
+        original = getattr(module, "build_tokenizer", None)
+        if original is None:
+            continue
+        wrapped = _wrap_build_tokenizer(original)
+        module.build_tokenizer = wrapped
+        _rebind("build_tokenizer", original, wrapped)
+        if name == "megatron.training.tokenizer.tokenizer":
+            import megatron.training.tokenizer as package
+
+            if package.build_tokenizer is original:
+                package.build_tokenizer = wrapped
+
+
+_RUN_SFT_CHAT = False  # set by main(): --sft with the tokenizer the launcher chose
 
 
 def export(models, out_dir: str | Path, *, merged: bool = False, overwrite: bool = False) -> None:
@@ -615,6 +713,7 @@ def install_hooks() -> None:
         "save_checkpoint", checkpointing.save_checkpoint, _wrap_save_checkpoint(checkpointing.save_checkpoint)
     )
     GPTModel.__init__ = _wrap_gpt_init(GPTModel.__init__)
+    install_tokenizer_hook()
 
 
 CONFIG_ERROR_EXIT = 2  # bad flags or inputs (argparse's code too): restarting the job cannot help
@@ -662,8 +761,11 @@ def main(argv: list[str] | None = None) -> None:
         try:
             flags = merge_flags(pre.hf_model, user)
             check_hf_export(user)
+            flags += sft_flags(pre.hf_model, user)
         except (LaunchError, ValueError, FileNotFoundError) as err:
             refuse(str(err))
+        global _RUN_SFT_CHAT
+        _RUN_SFT_CHAT = "--sft" in given and "--tokenizer-type" not in given
     script_dir = str(Path(script).resolve().parent)
     if script_dir not in sys.path:
         sys.path.insert(0, script_dir)  # the script imports its siblings (gpt_builders, model_provider)

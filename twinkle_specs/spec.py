@@ -32,7 +32,8 @@ class SDPACoreAttention(MegatronModule):
     """Core attention on ``torch.nn.functional.scaled_dot_product_attention``.
 
     Used on the portable path: megatron-core's DotProductAttention needs CUDA (its RNG tracker and
-    global buffers), this runs anywhere. Causal, GQA by head repetition, Qwen's 1/sqrt(head_dim) scale.
+    global buffers), this runs anywhere. Causal, GQA by head repetition, Qwen's 1/sqrt(head_dim) scale;
+    packed sequences (``--sft``'s THD batches) attend within their own sequence only.
     """
 
     def __init__(
@@ -61,16 +62,40 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: Any = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("packed sequences and attention bias need the TE path")
+        if attention_bias is not None:
+            raise NotImplementedError("attention bias needs the TE path")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        # Megatron masks are True where attention is *not* allowed; SDPA wants the opposite.
+        mask = None if attention_mask is None else ~attention_mask
+        out = self._attend(q, k, v, mask)
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _packed(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any
+    ) -> torch.Tensor:
+        """Packed sequences (THD: [tokens, heads, d], ``cu_seqlens`` bounds): causal inside each sequence,
+        nothing across them (the padded bounds where given, as megatron's RoPE uses them)."""
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"packed sequences in {params.qkv_format!r} format need the TE path")
+        bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        tokens = query.shape[0]
+        seq = torch.bucketize(torch.arange(tokens, device=query.device), bounds.to(query.device), right=True)
+        pos = torch.arange(tokens, device=query.device)
+        mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+        q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))  # [1, heads, t, d]
+        out = self._attend(q, k, v, mask)
+        return out[0].permute(1, 0, 2).reshape(tokens, -1)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+        """SDPA on [b, heads, s, d]; ``mask`` True where attention is allowed, None for causal."""
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        # Megatron masks are True where attention is *not* allowed; SDPA wants the opposite.
-        mask = None if attention_mask is None else ~attention_mask
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q,
             k,
             v,
@@ -79,8 +104,6 @@ class SDPACoreAttention(MegatronModule):
             is_causal=mask is None,
             scale=self.softmax_scale,
         )
-        sq, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 def _megatron_layer_submodules(config: TransformerConfig) -> TransformerLayerSubmodules:
