@@ -120,6 +120,7 @@ def test_packed_row_on_the_te_path(kind, tmp_path, single_gpu):
     not os.environ.get("MEGATRON_LM_ROOT"), reason="needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT"
 )
 @pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="needs the sft extra (datasets)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine")
 def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(tmp_path):
     """Stock pretrain_gpt.py --sft through the launcher, LoRA on Qwen3 in bf16: iteration 1's loss (a zero
     adapter) is transformers' on the same conversations with the answer-only mask; the PEFT adapter exported
