@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import torch
@@ -113,6 +114,21 @@ def make_checkpoint(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
     return out
+
+
+SAFE = "model.safetensors"  # the single shard make_checkpoint writes without max_shard_size
+
+
+def rewrite_checkpoint(src: Path, dst: Path, edit) -> Path:
+    """A copy of the single-shard checkpoint ``src`` at ``dst`` whose tensors ``edit`` (a callable on the
+    name -> tensor dict) has changed in place."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / SAFE)
+    edit(tensors)
+    save_file(tensors, dst / SAFE, metadata={"format": "pt"})
+    return dst
 
 
 def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:

@@ -12,25 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cpu_reference
-from models import make_checkpoint
-from safetensors.torch import load_file, save_file
+from models import SAFE, make_checkpoint, rewrite_checkpoint
+from safetensors.torch import load_file
 
 import twinkle_specs as ts
 from twinkle_specs.checkpoint import INDEX_NAME, NONFINITE_ENV, CheckpointError, CheckpointReader
 from twinkle_specs.cli import main as cli
 
 pytestmark = cpu_reference
-
-SAFE = "model.safetensors"
 UP = "model.layers.0.mlp.up_proj.weight"
-
-
-def _rewrite(src: Path, dst: Path, edit) -> Path:
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / SAFE)
-    edit(tensors)
-    save_file(tensors, dst / SAFE, metadata={"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +44,9 @@ def _weight_map(hf: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool])
 def test_non_float_weight_names_tensor_and_dtype(checkpoints, tmp_path, megatron_single, dtype):
-    bad = _rewrite(checkpoints("qwen3"), tmp_path / "bad", lambda t: t.update({UP: t[UP].to(dtype)}))
+    bad = rewrite_checkpoint(
+        checkpoints("qwen3"), tmp_path / "bad", lambda t: t.update({UP: t[UP].to(dtype)})
+    )
     st = {torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL"}[dtype]
     with pytest.raises(
         CheckpointError, match=rf"model.safetensors: tensor '{UP}' has dtype {st}; weights must"
@@ -70,7 +62,7 @@ def _poison(t: dict) -> None:
 
 
 def test_nonfinite_weights_are_an_error_naming_tensor_and_count(checkpoints, tmp_path, megatron_single):
-    bad = _rewrite(checkpoints("qwen3"), tmp_path / "bad", _poison)
+    bad = rewrite_checkpoint(checkpoints("qwen3"), tmp_path / "bad", _poison)
     numel = load_file(bad / SAFE)[UP].numel()
     with pytest.raises(
         CheckpointError,
@@ -80,7 +72,7 @@ def test_nonfinite_weights_are_an_error_naming_tensor_and_count(checkpoints, tmp
 
 
 def test_nonfinite_weights_load_when_allowed(checkpoints, tmp_path, megatron_single, monkeypatch):
-    bad = _rewrite(checkpoints("qwen3"), tmp_path / "bad", _poison)
+    bad = rewrite_checkpoint(checkpoints("qwen3"), tmp_path / "bad", _poison)
     model = ts.build_model(bad, load_weights=False)
     ts.load_hf_weights(model, bad, allow_nonfinite=True)
     fc1 = model.decoder.layers[0].mlp.linear_fc1.weight  # [gate; up]: up is the second half
@@ -94,7 +86,7 @@ def test_nonfinite_weights_load_when_allowed(checkpoints, tmp_path, megatron_sin
 
 
 def test_convert_refuses_nonfinite_weights_unless_told(checkpoints, tmp_path, capsys):
-    bad = _rewrite(checkpoints("qwen3"), tmp_path / "bad", _poison)
+    bad = rewrite_checkpoint(checkpoints("qwen3"), tmp_path / "bad", _poison)
     assert cli(["convert", "--hf-model", str(bad), "--save", str(tmp_path / "refused")]) == 2
     assert f"'{UP}' holds 3 NaN and 2 inf" in capsys.readouterr().err
     env = os.environ.get(NONFINITE_ENV)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cpu_reference
-from models import CONFIGS, batch, hf_logits, make_checkpoint
-from safetensors.torch import load_file, save_file
+from models import CONFIGS, SAFE, batch, hf_logits, make_checkpoint, rewrite_checkpoint
+from safetensors.torch import load_file
 
 import twinkle_specs as ts
 from twinkle_specs.checkpoint import CheckpointError
@@ -17,23 +17,12 @@ from twinkle_specs.checkpoint import CheckpointError
 pytestmark = cpu_reference
 
 
-SAFE = "model.safetensors"
-
-
-def _rewrite(src: Path, dst: Path, edit) -> Path:
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / SAFE)
-    edit(tensors)
-    save_file(tensors, dst / SAFE, metadata={"format": "pt"})
-    return dst
-
-
 def _build(hf: Path):
     return ts.build_model(hf)
 
 
 def test_missing_tensor(checkpoints, tmp_path, megatron_single):
-    bad = _rewrite(
+    bad = rewrite_checkpoint(
         checkpoints("qwen3"), tmp_path / "bad", lambda t: t.pop("model.layers.1.self_attn.k_norm.weight")
     )
     with pytest.raises(
@@ -43,7 +32,7 @@ def test_missing_tensor(checkpoints, tmp_path, megatron_single):
 
 
 def test_unused_tensor(checkpoints, tmp_path, megatron_single):
-    bad = _rewrite(
+    bad = rewrite_checkpoint(
         checkpoints("qwen3"), tmp_path / "bad", lambda t: t.update({"model.extra.weight": torch.ones(2)})
     )
     with pytest.raises(CheckpointError, match="model.extra.weight"):
@@ -54,7 +43,7 @@ def test_wrong_shape(checkpoints, tmp_path, megatron_single):
     def edit(t):
         t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"][:-1]
 
-    bad = _rewrite(checkpoints("qwen3"), tmp_path / "bad", edit)
+    bad = rewrite_checkpoint(checkpoints("qwen3"), tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.up_proj.weight' has shape \[95, 64\]"):
         _build(bad)
 
