@@ -285,7 +285,9 @@ def test_launcher_hands_megatron_the_chat_tokenizer(chat_checkpoint):
         "args = parse_args(extra_args_provider=launch.add_twinkle_args);"
         "launch.install_tokenizer_hook();"
         "gv._build_tokenizer(args); tok = gv.get_tokenizer();"
-        "from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer;"  # as pretrain_gpt.py
+        "import importlib, importlib.util;"  # where pretrain_gpt.py imports it from: core_v0.19, else core_v0.16.1
+        "name = next(m for m in launch.TOKENIZER_BUILDERS[:2] if importlib.util.find_spec(m.rpartition('.')[0]));"
+        "build_tokenizer = importlib.import_module(name).build_tokenizer;"
         "own = build_tokenizer(args);"
         "print('TOKENIZER', type(tok).__name__, type(own).__name__, tok.vocab_size, tok.pad, tok.eod)"
     )
