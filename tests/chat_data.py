@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from twinkle_specs.sft import IGNORE_INDEX
+
 _WORDS = "alpha beta gamma delta qwen megatron tensor pipeline expert adapter token answer question".split()
 _QWEN2_5 = (
     "{%- if messages[0].role != 'system' %}"
@@ -130,3 +132,17 @@ def assistant_masks(hf_dir: Path, style: str, convs: list[list[dict]]) -> list[t
         )
         out.append((np.asarray(enc["input_ids"]), np.asarray(enc["assistant_masks"], dtype=bool)))
     return out
+
+
+def answer_loss(model, hf_dir: Path, style: str, convs: list[list[dict]]) -> tuple[float, int]:
+    """A transformers (or PEFT) ``model``'s mean loss on the answers of each conversation run alone, by
+    transformers' own assistant mask, on the model's device; and the number of answer targets."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, mask in assistant_masks(hf_dir, style, convs):
+            logits = model(torch.from_numpy(ids)[None].to(device)).logits[0].double()
+            labels = torch.from_numpy(np.where(mask, ids, IGNORE_INDEX)).to(device)
+            total += torch.nn.functional.cross_entropy(logits[:-1], labels[1:], reduction="sum").item()
+            count += int(mask[1:].sum())
+    return total / count, count

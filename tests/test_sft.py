@@ -12,7 +12,7 @@ import numpy as np
 import peft
 import pytest
 import torch
-from chat_data import assistant_masks, conversations, pack, save_tokenizer
+from chat_data import answer_loss, assistant_masks, conversations, pack, save_tokenizer
 from conftest import cpu_reference, megatron_training_root
 from hybrid_models import make_hybrid_checkpoint
 from models import make_checkpoint
@@ -139,15 +139,7 @@ def test_packed_row_matches_peft_on_each_conversation(kind, chat_checkpoint, tmp
     row = pack(tok, convs, ROW)
     ref, model = _peft_pair(hf, tmp_path, TARGETS[kind])
 
-    # transformers + peft, each conversation alone, loss on transformers' assistant mask
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for ids, mask in assistant_masks(hf, style, convs):
-            logits = ref(torch.from_numpy(ids)[None]).logits[0].double()
-            labels = torch.from_numpy(np.where(mask, ids, IGNORE_INDEX))
-            total += torch.nn.functional.cross_entropy(logits[:-1], labels[1:], reduction="sum").item()
-            count += int(mask[1:].sum())
-    reference = total / count
+    reference, count = answer_loss(ref, hf, style, convs)  # transformers + peft, each conversation alone
 
     params = _packed_params(row["cu_seqlens"])
     with torch.no_grad():
@@ -279,7 +271,6 @@ def test_launcher_hands_megatron_the_chat_tokenizer(chat_checkpoint):
         "from megatron.training.arguments import parse_args;"
         "import megatron.training.global_vars as gv;"
         "from twinkle_specs import launch;"
-        "launch._RUN_SFT_CHAT = True;"
         "sys.argv = ['pretrain_gpt.py', *launch.merge_flags(hf, ['--hf-model', hf, '--sft', '--micro-batch-size',"
         " '1', '--seq-length', '512'])];"
         "args = parse_args(extra_args_provider=launch.add_twinkle_args);"

@@ -13,10 +13,9 @@ import importlib.util
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
-from chat_data import assistant_masks, conversations, pack, save_tokenizer
+from chat_data import answer_loss, conversations, pack, save_tokenizer
 from conftest import torchrun
 from gpu_checks import Evidence
 from hybrid_models import make_hybrid_checkpoint
@@ -35,23 +34,14 @@ EVIDENCE = Evidence("sft-gpu.json")
 LOSS_RTOL = 2e-3
 
 
-@pytest.fixture(scope="module")
-def single_gpu():
-    import transformer_engine  # noqa: F401  (peft imports TE lazily; load it before CUDA initialises)
-
-    from twinkle_specs.parity import _init_single_process
-
-    _init_single_process()
-
-
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_next"])
-def test_packed_row_on_the_te_path(kind, tmp_path, single_gpu):
+def test_packed_row_on_the_te_path(kind, tmp_path, gpu):
     import peft
     from test_lora_support import hf_model, randomize_peft
 
     import twinkle_specs as ts
     from twinkle_specs import LoraConfig, load_peft_adapter
-    from twinkle_specs.sft import IGNORE_INDEX, QwenChatTokenizer
+    from twinkle_specs.sft import QwenChatTokenizer
 
     hf = tmp_path / kind
     (make_hybrid_checkpoint if kind == "qwen3_next" else make_checkpoint)(kind, hf)
@@ -62,14 +52,7 @@ def test_packed_row_on_the_te_path(kind, tmp_path, single_gpu):
     ref = ref.cuda().eval()
 
     convs, tok = conversations(), QwenChatTokenizer(hf)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for ids, mask in assistant_masks(hf, "qwen3", convs):
-            logits = ref(torch.from_numpy(ids)[None].cuda()).logits[0].double()
-            labels = torch.from_numpy(np.where(mask, ids, IGNORE_INDEX)).cuda()
-            total += torch.nn.functional.cross_entropy(logits[:-1], labels[1:], reduction="sum").item()
-            count += int(mask[1:].sum())
-    reference = total / count
+    reference, count = answer_loss(ref, hf, "qwen3", convs)
 
     model = ts.build_model(
         hf,

@@ -553,14 +553,12 @@ def sft_flags(hf_dir: str, user: list[str]) -> list[str]:
 
 
 def _wrap_build_tokenizer(original):
-    """With ``--sft`` and the checkpoint's own tokenizer, the tokenizer Megatron builds is wrapped in
-    :class:`~twinkle_specs.sft.QwenChatTokenizer` (chat template, answer-only targets, Qwen's pad/eod)."""
+    """The tokenizer Megatron builds, wrapped in :class:`~twinkle_specs.sft.QwenChatTokenizer` (chat
+    template, answer-only targets, Qwen's pad/eod)."""
 
     @functools.wraps(original)
     def build_tokenizer(args, *rest, **kwargs):
         tokenizer = original(args, *rest, **kwargs)
-        if not (getattr(args, "sft", False) and _RUN_SFT_CHAT):
-            return tokenizer
         from .sft import ChatDataError, QwenChatTokenizer
 
         try:
@@ -582,7 +580,8 @@ TOKENIZER_BUILDERS = (
 
 def install_tokenizer_hook() -> None:
     """Wraps each ``build_tokenizer`` (:func:`_wrap_build_tokenizer`) where it is defined and where
-    megatron.training has imported it; the training script imports the wrapped one."""
+    megatron.training has imported it; the training script imports the wrapped one. Installed by
+    :func:`main` for ``--sft`` with the checkpoint's own tokenizer."""
     import importlib
 
     for name in TOKENIZER_BUILDERS:
@@ -595,15 +594,7 @@ def install_tokenizer_hook() -> None:
             continue
         wrapped = _wrap_build_tokenizer(original)
         module.build_tokenizer = wrapped
-        _rebind("build_tokenizer", original, wrapped)
-        if name == "megatron.training.tokenizer.tokenizer":
-            import megatron.training.tokenizer as package
-
-            if package.build_tokenizer is original:
-                package.build_tokenizer = wrapped
-
-
-_RUN_SFT_CHAT = False  # set by main(): --sft with the tokenizer the launcher chose
+        _rebind("build_tokenizer", original, wrapped)  # megatron.training.tokenizer's re-export included
 
 
 def export(models, out_dir: str | Path, *, merged: bool = False, overwrite: bool = False) -> None:
@@ -713,7 +704,6 @@ def install_hooks() -> None:
         "save_checkpoint", checkpointing.save_checkpoint, _wrap_save_checkpoint(checkpointing.save_checkpoint)
     )
     GPTModel.__init__ = _wrap_gpt_init(GPTModel.__init__)
-    install_tokenizer_hook()
 
 
 CONFIG_ERROR_EXIT = 2  # bad flags or inputs (argparse's code too): restarting the job cannot help
@@ -764,8 +754,6 @@ def main(argv: list[str] | None = None) -> None:
             flags += sft_flags(pre.hf_model, user)
         except (LaunchError, ValueError, FileNotFoundError) as err:
             refuse(str(err))
-        global _RUN_SFT_CHAT
-        _RUN_SFT_CHAT = "--sft" in given and "--tokenizer-type" not in given
     script_dir = str(Path(script).resolve().parent)
     if script_dir not in sys.path:
         sys.path.insert(0, script_dir)  # the script imports its siblings (gpt_builders, model_provider)
@@ -773,6 +761,8 @@ def main(argv: list[str] | None = None) -> None:
 
     apply_patches()
     install_hooks()
+    if "--sft" in given and "--tokenizer-type" not in given and pre.hf_model:
+        install_tokenizer_hook()
     sys.argv = [script, *flags]
     try:
         runpy.run_path(script, run_name="__main__")

@@ -20,6 +20,7 @@ is appended, and the ``<|im_end|>`` that ends each answer is always a target.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -46,10 +47,8 @@ class QwenChatTokenizer:
     """
 
     def __init__(self, hf_dir: str | Path, base: Any = None) -> None:
-        from transformers import AutoTokenizer
-
         self.hf_dir = Path(hf_dir)
-        self.hf = AutoTokenizer.from_pretrained(str(hf_dir))
+        self.hf = _hf_tokenizer(str(hf_dir))
         self._base = base
         if not self.hf.chat_template:
             raise ChatDataError(
@@ -123,6 +122,15 @@ class QwenChatTokenizer:
         for a, b in spans:
             answer |= (starts >= a) & (starts < b)
         return tokens, np.where(answer, tokens, IGNORE_INDEX)
+
+
+@functools.cache
+def _hf_tokenizer(hf_dir: str) -> Any:
+    """The checkpoint's tokenizer, read once per process: the launcher checks it before Megatron starts,
+    and Megatron builds a tokenizer twice (the global one, and pretrain_gpt.py's for its dataset)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_dir)
 
 
 def _check(conversation: Any) -> None:
