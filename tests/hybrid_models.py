@@ -50,19 +50,20 @@ _VISION = dict(
 )
 
 HYBRID_KINDS = {
-    "qwen3_next": lambda: Qwen3NextConfig(**_TEXT, **_MOE, intermediate_size=40, norm_topk_prob=True),
-    "qwen3_5": lambda: Qwen3_5TextConfig(**_TEXT, intermediate_size=40),
-    "qwen3_5_moe": lambda: Qwen3_5MoeTextConfig(**_TEXT, **_MOE),
-    "qwen3_5_vl": lambda: Qwen3_5Config(
-        text_config=copy.deepcopy(_TEXT) | dict(intermediate_size=40), vision_config=dict(_VISION)
+    "qwen3_next": lambda text: Qwen3NextConfig(**text, **_MOE, intermediate_size=40, norm_topk_prob=True),
+    "qwen3_5": lambda text: Qwen3_5TextConfig(**text, intermediate_size=40),
+    "qwen3_5_moe": lambda text: Qwen3_5MoeTextConfig(**text, **_MOE),
+    "qwen3_5_vl": lambda text: Qwen3_5Config(
+        text_config=text | dict(intermediate_size=40), vision_config=dict(_VISION)
     ),
 }
 
 
-def make_hybrid_checkpoint(kind: str, out: Path, seed: int = 0) -> Path:
-    """Saves a random tiny model of ``kind``, its weights scaled so that a misplaced tensor shows."""
+def make_hybrid_checkpoint(kind: str, out: Path, seed: int = 0, **text) -> Path:
+    """Saves a random tiny model of ``kind`` (``text``: language-model config fields to change, e.g. a
+    larger vocabulary for a tokenizer), its weights scaled so that a misplaced tensor shows."""
     torch.manual_seed(seed)
-    config = HYBRID_KINDS[kind]()
+    config = HYBRID_KINDS[kind](copy.deepcopy(_TEXT) | text)
     if kind == "qwen3_5_vl":
         from transformers import Qwen3_5ForConditionalGeneration
 

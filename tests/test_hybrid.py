@@ -402,3 +402,66 @@ def test_hybrid_config_moe_needs_no_dense_mlp_size(hybrid, tmp_path):
     (dense / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedConfigError, match=r"missing field\(s\) \['intermediate_size'\]"):
         ts.megatron_args_from_hf(dense)
+
+
+@pytest.mark.parametrize(
+    "hopper,triton,tilelang,trains_on_fla",
+    [
+        (True, "3.6.0", False, False),  # torch 2.11's Triton on an H100: fla refuses its backward
+        (True, "3.6.0", True, True),  # fla takes that kernel to its tilelang backend
+        (True, "3.7.1", False, True),
+        (False, "3.6.0", False, True),  # not Hopper
+    ],
+)
+def test_fla_rule_steps_aside_where_fla_refuses_its_backward(
+    hopper, triton, tilelang, trains_on_fla, monkeypatch, caplog
+):
+    """fla 0.6 raises in the Gated DeltaNet backward on Hopper with Triton in [3.4, 3.7.1) (seen on the
+    H100 at the first training step): training takes the torch reference then, with one warning that
+    says why and what to install; forward-only calls keep fla's kernel."""
+    import importlib.util
+    import sys
+    import types
+
+    from twinkle_specs import gdn
+
+    def rule():  # stands in for fla's chunk_gated_delta_rule
+        raise AssertionError("not called here")
+
+    version = tuple(int(x) for x in triton.split("."))
+    fla_utils = types.SimpleNamespace(
+        IS_NVIDIA_HOPPER=hopper,
+        TRITON_ABOVE_3_4_0=version >= (3, 4, 0),
+        TRITON_ABOVE_3_7_1=version >= (3, 7, 1),
+    )
+    modules = {
+        "fla": types.ModuleType("fla"),
+        "fla.utils": fla_utils,
+        "fla.ops": types.ModuleType("fla.ops"),
+        "fla.ops.gated_delta_rule": types.SimpleNamespace(chunk_gated_delta_rule=rule),
+        "triton": types.SimpleNamespace(__version__=triton),
+    }
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (object() if tilelang else None) if name == "tilelang" else real_find_spec(name, *a),
+    )
+    gdn.fla_backward_refused.cache_clear()
+    gdn._warn_once.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="twinkle_specs.gdn"):
+            assert gdn._fla_rule(needs_grad=False) is rule
+            assert (gdn._fla_rule(needs_grad=True) is rule) == trains_on_fla
+            gdn._fla_rule(needs_grad=True)
+    finally:
+        gdn.fla_backward_refused.cache_clear()
+        gdn._warn_once.cache_clear()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "twinkle_specs.gdn"]
+    if trains_on_fla:
+        assert not warnings
+    else:
+        assert len(warnings) == 1, warnings
+        assert f"Triton {triton}" in warnings[0] and "tilelang" in warnings[0], warnings

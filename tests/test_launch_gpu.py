@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import free_port, torchrun
 from gpu_checks import Evidence
+from hybrid_models import make_hybrid_checkpoint
 from models import make_checkpoint
 
 ROOT = os.environ.get("MEGATRON_LM_ROOT")
@@ -61,9 +62,11 @@ def e2e(tmp_path_factory):
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
     dirs = {}
     for kind in ("qwen3", "qwen2_5", "qwen3_moe"):
-        d = make_checkpoint(kind, root / kind, vocab_size=512)
+        dirs[kind] = make_checkpoint(kind, root / kind, vocab_size=512)
+    for kind in ("qwen3_5_vl", "qwen3_5_moe"):  # Qwen3.5 as released: the multimodal checkpoint
+        dirs[kind] = make_hybrid_checkpoint(kind, root / kind, vocab_size=512)
+    for d in dirs.values():
         tok.save_pretrained(d)
-        dirs[kind] = d
     return {"root": root, "corpus": corpus, **dirs}
 
 
@@ -149,12 +152,20 @@ def micro_batches(iteration: int, dp: int) -> range:
     return range((iteration - 1) * per_iteration, iteration * per_iteration)
 
 
+def hf_model(hf: Path):
+    """transformers' fp32 model of a checkpoint as its config names it: a multimodal Qwen3.5 checkpoint
+    loads whole (its vision tower unused by text tokens), the model its exported adapter names."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    multimodal = AutoConfig.from_pretrained(hf).architectures[0].endswith("ForConditionalGeneration")
+    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    return auto.from_pretrained(hf, dtype=torch.float32).eval()
+
+
 def hf_loss(hf: Path, dump_dir: Path, adapter: Path | None = None, only: range | None = None) -> float:
     """transformers' (fp32) mean loss over the dumped micro-batches (those numbered in ``only``), with a
     PEFT ``adapter`` on top when given."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).cuda().eval()
+    model = hf_model(hf).cuda()
     if adapter is not None:
         from peft import PeftModel
 
@@ -256,6 +267,39 @@ def test_lora_qwen3_save_resume_and_peft_export(e2e):
     assert abs(resumed[6] - peft_loss) <= LOSS_RTOL * peft_loss, (resumed[6], peft_loss)
     saved = list((ck / "iter_0000005").glob("*"))
     assert saved, "no checkpoint written"
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("kind", ["qwen3_5_vl", "qwen3_5_moe"])
+def test_hybrid_trains_and_exports(e2e, kind, lora):
+    """Qwen3.5 (the multimodal checkpoint: its language model trained, the vision tower kept) and
+    Qwen3.5-MoE through stock pretrain_gpt.py: Gated DeltaNet and gated attention layers by layer_types,
+    full fine-tune and LoRA. Iteration 1's loss is transformers' on the same tokens; the export written at
+    iteration 5's save (full weights, or the PEFT adapter loaded in peft) reproduces iteration 6's loss."""
+    hf, out = e2e[kind], e2e["root"] / f"{kind}-{'lora' if lora else 'full'}"
+    flags = ["--lora-rank", "8", "--lora-alpha", "16"] if lora else []
+    losses, dump, _ = pretrain(
+        hf,
+        out,
+        "--mock-data",
+        *flags,
+        "--save",
+        str(out / "ck"),
+        "--save-interval",
+        "5",
+        "--hf-export",
+        str(out / "export"),
+        "--hf-export-on-save",
+        dump_count=len(micro_batches(1, 1)) * 6,
+    )
+    assert sorted(losses) == list(range(1, 7)), sorted(losses)
+    export = out / "export" / "iter_0000005"
+    if lora:
+        exported = hf_loss(hf, dump, adapter=export, only=micro_batches(6, 1))
+    else:
+        exported = hf_loss(export, dump, only=micro_batches(6, 1))
+    _check_first_loss(out.name, losses, hf, dump, exported_iter6=exported)
+    assert abs(exported - losses[6]) <= LOSS_RTOL * losses[6], (exported, losses[6])
 
 
 GRAPH_RUN = ("--mock-data", "--lora-rank", "8", "--lora-alpha", "16")

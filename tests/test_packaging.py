@@ -109,7 +109,17 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     )
     (site / "parent_environment.pth").write_text("\n".join(sitepackages()) + "\n")
     _run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
         cwd=tmp_path,
     )
 

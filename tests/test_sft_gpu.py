@@ -104,15 +104,18 @@ def test_packed_row_on_the_te_path(kind, tmp_path, gpu):
 )
 @pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="needs the sft extra (datasets)")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine")
-def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(tmp_path):
-    """Stock pretrain_gpt.py --sft through the launcher, LoRA on Qwen3 in bf16: iteration 1's loss (a zero
-    adapter) is transformers' on the same conversations with the answer-only mask; the PEFT adapter exported
-    at iteration 3's save gives in peft the loss Megatron logs at iteration 4; and the loss falls."""
-    from test_launch_gpu import run_logged, train_flags
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_5_vl"])
+def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, tmp_path):
+    """Stock pretrain_gpt.py --sft through the launcher, LoRA in bf16 on Qwen3, Qwen3-MoE and Qwen3.5 (the
+    multimodal checkpoint; Gated DeltaNet layers on packed rows): iteration 1's loss (a zero adapter) is
+    transformers' on the same conversations with the answer-only mask; the PEFT adapter exported at
+    iteration 3's save gives in peft the loss Megatron logs at iteration 4; and the loss falls."""
+    from test_launch_gpu import hf_model, run_logged, train_flags
 
-    from twinkle_specs.launch import merge_flags  # noqa: F401  (the launcher is what runs here)
-
-    hf = make_checkpoint("qwen3", tmp_path / "qwen3", max_position_embeddings=ROW)
+    if kind.startswith("qwen3_5"):
+        hf = make_hybrid_checkpoint(kind, tmp_path / kind, max_position_embeddings=ROW)
+    else:
+        hf = make_checkpoint(kind, tmp_path / kind, max_position_embeddings=ROW)
     save_tokenizer(hf, "qwen3")
     convs = [_with_system(c) for c in conversations(48, seed=7)]
     data = tmp_path / "chat.jsonl"
@@ -150,13 +153,11 @@ def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(tmp_path):
     ]
     dumps = tmp_path / "batches"
     env = dict(os.environ, TWINKLE_DUMP_BATCHES=str(dumps), TWINKLE_DUMP_BATCHES_COUNT="8")
-    losses, log = run_logged(cmd, "sft-lora-qwen3", env)
+    losses, log = run_logged(cmd, f"sft-lora-{kind}", env)
     assert sorted(losses) == list(range(1, 7)), log[-3000:]
 
     def transformers_loss(adapter, micro_batches) -> float:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).cuda().eval()
+        model = hf_model(hf).cuda()
         if adapter is not None:
             from peft import PeftModel
 
@@ -179,7 +180,7 @@ def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(tmp_path):
     first = transformers_loss(None, range(0, 2))
     peft4 = transformers_loss(export / "iter_0000003", range(6, 8))
     stats = dict(megatron=losses, transformers_iter1=first, peft_iter4=peft4)
-    EVIDENCE.record("pretrain-gpt-sft-lora-qwen3", **stats)
+    EVIDENCE.record(f"pretrain-gpt-sft-lora-{kind}", **stats)
     print(stats)
     assert abs(losses[1] - first) <= LOSS_RTOL * first, stats
     assert abs(losses[4] - peft4) <= LOSS_RTOL * peft4, stats

@@ -5,13 +5,17 @@ megatron-core's :class:`~megatron.core.ssm.gated_delta_net.GatedDeltaNet` refuse
 parameters, their layout (``in_proj`` rows [q; k; v; z; beta; alpha] of this TP rank, ``conv1d`` over
 [q; k; v], ``dt_bias``, ``A_log``, ``out_norm``, ``out_proj``), its distributed-checkpoint sharding and
 its gated output norm, and chooses the kernels per call: fla's chunked gated delta rule and
-``causal-conv1d`` on CUDA tensors when they are installed, otherwise megatron-core's torch reference of
-the chunked rule and a depthwise ``conv1d`` (the portable path, as the SDPA core attention is for
-attention). The output norm multiplies by ``w`` (not ``1 + w``), as transformers' ``RMSNormGated`` does,
+``causal-conv1d`` on CUDA tensors when they are installed (fla's rule not for training where fla refuses
+its own backward: :func:`fla_backward_refused`), otherwise megatron-core's torch reference of the chunked
+rule and a depthwise ``conv1d`` (the portable path, as the SDPA core attention is for attention). The output norm multiplies by ``w`` (not ``1 + w``), as transformers' ``RMSNormGated`` does,
 whatever ``layernorm_zero_centered_gamma`` says for the model's other norms.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -28,12 +32,43 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (x32 * torch.rsqrt((x32 * x32).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _fla_rule():
+def _fla_rule(needs_grad: bool):
+    """fla's chunked gated delta rule, or None for the torch reference: fla is not installed, or a
+    backward is needed where fla refuses its own (:func:`fla_backward_refused`)."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
+    if needs_grad and (why := fla_backward_refused()):
+        _warn_once(why)
+        return None
     return chunk_gated_delta_rule
+
+
+@functools.cache
+def fla_backward_refused() -> str | None:
+    """Why fla's gated delta rule cannot train here, else None. fla 0.6 raises in the backward (at the
+    first training step, after the forward has run) on Hopper GPUs with Triton >= 3.4 and < 3.7.1 unless
+    tilelang is installed, because Triton miscompiles that kernel there; torch 2.11 ships Triton 3.6."""
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
+        return None
+    if importlib.util.find_spec("tilelang") is not None:
+        return None  # fla dispatches that kernel to its tilelang backend
+    import triton
+
+    return (
+        f"flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with Triton "
+        f"{triton.__version__} (wrong results below Triton 3.7.1): training runs megatron-core's torch "
+        f"reference of the chunked rule instead (correct, slower); forward-only calls still use fla. "
+        f"Install tilelang (or Triton >= 3.7.1) for fla's kernels in training."
+    )
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logging.getLogger(__name__).warning(message)
 
 
 def _causal_conv1d():
@@ -194,7 +229,8 @@ class PortableGatedDeltaNet(GatedDeltaNet):
             query, key = (t.repeat_interleave(repeat, dim=2) for t in (query, key))
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)
         beta = beta.sigmoid()
-        rule = _fla_rule() if query.is_cuda and not self.config.deterministic_mode else None
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, g, beta))
+        rule = _fla_rule(needs_grad) if query.is_cuda and not self.config.deterministic_mode else None
         if rule is None:
             out, _ = torch_chunk_rule(
                 l2norm(query).contiguous(), l2norm(key).contiguous(), value, g=g, beta=beta.contiguous()

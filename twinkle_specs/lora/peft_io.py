@@ -214,7 +214,8 @@ def gather_peft_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] |
         t = (f.grad if grads else f.tensor).detach()
         if f.tp_dim is not None:
             t = _gather_tp(t, f.tp_dim)
-        if f.rows is not None:  # Megatron's row order -> PEFT's
+        if f.rows is not None:  # Megatron's row order -> PEFT's (the row index lives on the host)
+            t = t.cpu()
             t = torch.empty_like(t).index_copy_(0, f.rows[1], t)
         if f.expert is None:
             local[f.key] = t.cpu()
