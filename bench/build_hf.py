@@ -31,12 +31,25 @@ def prepare(hf_dir: Path, s: Settings, peft_lora: bool = False) -> Prepared:
     if peft_lora:
         import peft
 
+        # all-linear also takes an MoE shared expert's one-output gate (Qwen3.5-MoE), which twinkle-specs'
+        # LoRA does not adapt: left out, so that (c) and (d) train the same adapters
+        excluded = (
+            ["shared_expert_gate"]
+            if any(n.endswith(".shared_expert_gate") for n, _ in model.named_modules())
+            else None
+        )
         model = peft.get_peft_model(
             model,
             peft.LoraConfig(
-                r=s.lora_r, lora_alpha=s.lora_alpha, target_modules="all-linear", lora_dropout=0.0
+                r=s.lora_r,
+                lora_alpha=s.lora_alpha,
+                target_modules="all-linear",
+                exclude_modules=excluded,
+                lora_dropout=0.0,
             ),
         )
+        if excluded:
+            result["peft_exclude_modules"] = excluded
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad})
         result["adapter_dtypes"] = dtypes  # peft upcasts adapters to fp32 by default (autocast_adapter_dtype)
     model.train()

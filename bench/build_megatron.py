@@ -1,15 +1,16 @@
 """The Megatron-side variants: (a) megatron-core's own TE spec, (b)-(c) twinkle_specs full and LoRA,
-(e) twinkle_specs all frozen. Each is built fresh and seeded (its initial weights do not depend on what
-was built before it in this process) with megatron-core DDP and ``get_megatron_optimizer`` on a GPU; on
-CPU megatron's DDP cannot run (its buffers are CUDA tensors), so torch AdamW on the trainable parameters
-stands in, and the result says so. CUDA graphs (``Settings.cuda_graphs``) are captured here, before
-any timing.
+(e) twinkle_specs all frozen, (g) (c) on packed SFT rows. Each is built fresh and seeded (its initial
+weights do not depend on what was built before it in this process) with megatron-core DDP and
+``get_megatron_optimizer`` on a GPU; on CPU megatron's DDP cannot run (its buffers are CUDA tensors), so
+torch AdamW on the trainable parameters stands in, and the result says so. CUDA graphs
+(``Settings.cuda_graphs``) are captured here, before any timing.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 
 from .device import device, on_gpu
 from .load_timing import time_load
+from .packed_rows import packed_row
 from .settings import Prepared, Settings, count_params, lora_config
 from .timing import CLOCK
 
@@ -68,8 +70,9 @@ def megatron_overrides(s: Settings, arch) -> dict[str, Any]:
     o: dict[str, Any] = {"params_dtype": dtype, "bf16": dtype == torch.bfloat16}
     if on_gpu():
         if s.gpu_fusions:
-            # Megatron-LM's defaults (twinkle's config mapping leaves them off for portability).
-            o |= {"apply_rope_fusion": True, "bias_activation_fusion": True}
+            # Megatron-LM's defaults (twinkle's config mapping leaves them off for portability); not the
+            # RoPE fusion on the hybrids' partial RoPE, which their flags turn off (--no-rope-fusion).
+            o |= {"apply_rope_fusion": arch.hybrid is None, "bias_activation_fusion": True}
         if s.ce_fusion:
             o |= {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": s.ce_fusion_impl}
         if arch.is_moe:
@@ -100,7 +103,11 @@ def megatron_overrides(s: Settings, arch) -> dict[str, Any]:
 
 
 def stock_te_model(hf_dir: Path, s: Settings, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """(a): megatron-core's own get_gpt_layer_with_transformer_engine_spec, same config as (b)."""
+    """(a): megatron-core's own TE spec, same config as (b): get_gpt_layer_with_transformer_engine_spec, or
+    for the hybrid models the block spec that Megatron-LM's gpt_builders builds for
+    ``--experimental-attention-variant gated_delta_net`` (megatron-core's GatedDeltaNet and gated
+    attention; its GDN output norm is zero-centred like the model's others, ``x * (1 + w)`` for
+    transformers' ``x * w``: the same work)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -111,11 +118,20 @@ def stock_te_model(hf_dir: Path, s: Settings, overrides: dict[str, Any]) -> tupl
 
     arch = qwen_arch_from_hf(hf_dir)
     config = transformer_config_from_hf(hf_dir, **overrides)
-    spec = get_gpt_layer_with_transformer_engine_spec(
-        num_experts=config.num_moe_experts,
-        moe_grouped_gemm=config.moe_grouped_gemm,
-        qk_layernorm=config.qk_layernorm,
-    )
+    if arch.hybrid is not None:
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec as block_spec,
+        )
+
+        spec: Any = block_spec(config=config)
+        facts = {"spec": "get_transformer_block_with_experimental_attention_variant_spec"}
+    else:
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm,
+        )
+        facts = {"spec": "get_gpt_layer_with_transformer_engine_spec"}
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -127,8 +143,9 @@ def stock_te_model(hf_dir: Path, s: Settings, overrides: dict[str, Any]) -> tupl
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rotary_base,
+        rotary_percent=arch.hybrid.rotary_percent if arch.hybrid is not None else 1.0,
     )
-    return model.cuda(torch.cuda.current_device()), {}
+    return model.cuda(torch.cuda.current_device()), facts
 
 
 def _require_grad_hook(_module, _inputs, output):
@@ -227,9 +244,75 @@ def twinkle_model(
     return model, facts
 
 
-def prepare(hf_dir: Path, s: Settings, make_model: ModelFn, trains: bool = True) -> Prepared:
+@dataclass
+class Batch:
+    """One micro-batch on the device, what else the model is given, and how its loss is taken."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor | None = None  # None: the mean over every position
+    packed_seq_params: Any = None
+    facts: dict[str, Any] = field(default_factory=dict)  # what the result says of the data
+
+    def loss(self, per_token: torch.Tensor) -> torch.Tensor:
+        if self.loss_mask is None:
+            return per_token.float().mean()
+        return (per_token.float() * self.loss_mask).sum() / self.loss_mask.sum()
+
+
+def random_batch(vocab_size: int, s: Settings) -> Batch:
+    """``micro_batch_size`` sequences of ``seq_len`` random tokens (seeded), the loss on every position."""
+    dev = device()
+    gen = torch.Generator().manual_seed(s.seed)
+    data = torch.randint(0, vocab_size, (s.micro_batch_size, s.seq_len + 1), generator=gen).to(dev)
+    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    position_ids = torch.arange(s.seq_len, device=dev).expand_as(tokens).contiguous()
+    return Batch(tokens, labels, position_ids)
+
+
+def packed_sft_batch(vocab_size: int, s: Settings) -> Batch:
+    """One packed SFT row (:mod:`bench.packed_rows`) with the ``PackedSeqParams`` Megatron-LM's get_batch
+    makes of it (THD, int32 ``cu_seqlens`` on the device, the longest sequence); tokens/s counts its
+    conversations' tokens, not its padding."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    dev = device()
+    row = packed_row(s.seq_len, vocab_size, s.seed)
+    cu = row.cu_seqlens.to(dev)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=row.max_seqlen,
+        max_seqlen_kv=row.max_seqlen,
+    )
+    facts = {
+        "useful_tokens_per_step": row.useful_tokens,
+        "answer_tokens_per_step": row.answer_tokens,
+        "sequence_lengths": row.sequence_lengths,
+        "data": "one packed SFT row (bench/packed_rows.py): synthetic conversations, log-normal lengths "
+        "(median 450, sigma 0.75), loss on the answers only, padding to seq_len",
+    }
+    return Batch(
+        row.tokens.to(dev),
+        row.labels.to(dev),
+        row.position_ids.to(dev),
+        row.loss_mask.to(dev),
+        params,
+        facts,
+    )
+
+
+def prepare(
+    hf_dir: Path,
+    s: Settings,
+    make_model: ModelFn,
+    trains: bool = True,
+    make_batch: Callable[[int, Settings], Batch] = random_batch,
+) -> Prepared:
     """Builds one Megatron variant from ``make_model`` with its optimizer (none unless ``trains``) and
-    data, CUDA graphs captured if asked."""
+    ``make_batch``'s data, CUDA graphs captured if asked."""
     from twinkle_specs.hf_config import qwen_arch_from_hf
 
     init_megatron(s)
@@ -269,12 +352,8 @@ def prepare(hf_dir: Path, s: Settings, make_model: ModelFn, trains: bool = True)
         "not measured: CUDA graphs keep activations in their static pool" if s.cuda_graphs != "none" else None
     )
 
-    dev = device()
-    gen = torch.Generator().manual_seed(s.seed)
-    shape = (s.micro_batch_size, s.seq_len + 1)
-    data = torch.randint(0, arch.vocab_size, shape, generator=gen).to(dev)
-    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-    position_ids = torch.arange(s.seq_len, device=dev).expand_as(tokens).contiguous()
+    batch = make_batch(arch.vocab_size, s)
+    result |= batch.facts
 
     te_graphs = None
     if on_gpu() and s.cuda_graphs == "transformer_engine":
@@ -291,13 +370,20 @@ def prepare(hf_dir: Path, s: Settings, make_model: ModelFn, trains: bool = True)
         )
     local_graphs = on_gpu() and s.cuda_graphs == "local"
     if on_gpu() and s.cuda_graphs == "full_iteration":
-        step = _full_iteration_step(wrapped, finish, config, tokens, labels, position_ids, s)
+        step = _full_iteration_step(wrapped, finish, config, batch, s)
         result["step"] = "forward + backward (one CUDA graph) + optimizer step"
         return Prepared(result, step, activation_note=graphs_note)
 
     def forward():
         with CLOCK.phase("forward"):
-            return wrapped(tokens, position_ids, None, labels=labels).float().mean()
+            per_token = wrapped(
+                batch.tokens,
+                batch.position_ids,
+                None,
+                labels=batch.labels,
+                packed_seq_params=batch.packed_seq_params,
+            )
+            return batch.loss(per_token)
 
     def backward_and_update(loss):
         with CLOCK.phase("backward"):
@@ -323,7 +409,7 @@ def prepare(hf_dir: Path, s: Settings, make_model: ModelFn, trains: bool = True)
     return Prepared(result, step, forward, backward_and_update, graphs_note)
 
 
-def _full_iteration_step(wrapped, finish, config, tokens, labels, position_ids, s: Settings):
+def _full_iteration_step(wrapped, finish, config, batch: Batch, s: Settings):
     """A training step as Megatron-LM's train_step runs it under ``--cuda-graph-impl local
     --cuda-graph-scope full_iteration``: megatron's forward-backward schedule wrapped in its
     ``FullCudaGraphWrapper`` (eager for ``cuda_graph_warmup_steps`` iterations, then the whole forward
@@ -334,14 +420,14 @@ def _full_iteration_step(wrapped, finish, config, tokens, labels, position_ids, 
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    batch = {"tokens": tokens, "labels": labels, "position_ids": position_ids}
+    data = {"tokens": batch.tokens, "labels": batch.labels, "position_ids": batch.position_ids}
 
     def forward_step(data_iterator, model):
         b = next(data_iterator)
         out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
 
         def loss_func(output):
-            loss = output.float().mean()
+            loss = batch.loss(output)
             return loss, {"loss": loss.detach()}
 
         return out, loss_func
@@ -354,7 +440,7 @@ def _full_iteration_step(wrapped, finish, config, tokens, labels, position_ids, 
         with CLOCK.phase("forward_backward"):
             losses = forward_backward(
                 forward_step_func=forward_step,
-                data_iterator=itertools.repeat(batch),
+                data_iterator=itertools.repeat(data),
                 model=[wrapped],
                 num_microbatches=1,
                 seq_length=s.seq_len,
@@ -371,8 +457,9 @@ def _full_iteration_step(wrapped, finish, config, tokens, labels, position_ids, 
     return step
 
 
-def stock_te_unavailable() -> str | None:
-    """Why (a) cannot run here: it needs CUDA and Transformer Engine."""
+def stock_te_unavailable(hf_dir: Path, s: Settings) -> str | None:
+    """Why (a) cannot run here: it needs CUDA and Transformer Engine, and for the hybrid models fla
+    (megatron-core's GatedDeltaNet refuses to be built without it) with a backward fla runs here."""
     if not on_gpu():
         return (
             "needs a CUDA GPU with Transformer Engine (get_gpt_layer_with_transformer_engine_spec); "
@@ -382,6 +469,30 @@ def stock_te_unavailable() -> str | None:
         import transformer_engine  # noqa: F401
     except ImportError:
         return "Transformer Engine is not installed"
+    from twinkle_specs.hf_config import qwen_arch_from_hf
+
+    if qwen_arch_from_hf(hf_dir).hybrid is not None:
+        from megatron.core.ssm.gated_delta_net import HAVE_FLA
+
+        if not HAVE_FLA:
+            return (
+                "megatron-core's GatedDeltaNet (the stock spec of the hybrid models) needs "
+                "flash-linear-attention (pip install .[hybrid-gpu])"
+            )
+        from twinkle_specs.gdn import fla_backward_refused
+
+        if why := fla_backward_refused():  # megatron-core's module has no torch fallback for training
+            return f"megatron-core's GatedDeltaNet trains on fla's kernels only; {why.split(':')[0]}"
+    return None
+
+
+def packed_sft_unavailable(hf_dir: Path, s: Settings) -> str | None:
+    """Why (g) cannot run with these settings: Megatron-LM's --sft packs one row per micro-batch, and
+    megatron-core's CUDA graphs take no packed_seq_params (its graph runner asserts so)."""
+    if s.micro_batch_size != 1:
+        return "packed SFT rows: micro-batch 1 only (as Megatron-LM's --sft)"
+    if s.cuda_graphs != "none":
+        return "packed SFT rows run eager: megatron-core's CUDA graphs take no packed_seq_params"
     return None
 
 
@@ -395,6 +506,10 @@ def twinkle_full(hf_dir: Path, s: Settings) -> Prepared:
 
 def twinkle_lora(hf_dir: Path, s: Settings) -> Prepared:
     return prepare(hf_dir, s, functools.partial(twinkle_model, lora=True))
+
+
+def twinkle_lora_sft(hf_dir: Path, s: Settings) -> Prepared:
+    return prepare(hf_dir, s, functools.partial(twinkle_model, lora=True), make_batch=packed_sft_batch)
 
 
 def twinkle_frozen(hf_dir: Path, s: Settings) -> Prepared:

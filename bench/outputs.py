@@ -88,7 +88,7 @@ def combine_repeat(first: dict, again: dict) -> None:
         if first.get(key) is not None and again.get(key) is not None:
             first[key] = max(first[key], again[key])
     median = first["step_time_s"]["median"]
-    first["tokens_per_s_per_gpu"] = first["tokens_per_step"] / median
+    first["tokens_per_s_per_gpu"] = report.counted_tokens(first) / median
     first["tflops_per_s_per_gpu"] = first["model_flops"]["total"] / median / 1e12
     peak = first.get("peak_flops_per_gpu")
     first["mfu"] = first["model_flops"]["total"] / median / peak if peak else None

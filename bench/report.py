@@ -19,12 +19,24 @@ RATIOS = (
     ("c_over_e_activation_memory", "twinkle_lora", "twinkle_frozen", "activation_memory_gib", None),
     ("c_over_a_peak_memory", "twinkle_lora", "mcore_te_full", "peak_memory_gib", None),
     ("d_over_f_tokens_per_s", "hf_peft_lora", "hf_full", "tokens_per_s_per_gpu", None),
+    # packed SFT rows (useful tokens only) against (c) on random full rows: packing's cost and gain
+    ("sft_over_c_tokens_per_s", "twinkle_lora_sft", "twinkle_lora", "tokens_per_s_per_gpu", None),
 )
+# what a row's tokens/s counts (its ``tokens_counted``)
+TOKENS_COUNTED = {
+    "all": "every position: seq_len x micro_batch_size",
+    "useful": "useful tokens: the packed conversations' (useful_tokens_per_step), not the row's padding",
+}
 # (c) memory <= 1.05 x (e) frozen base: what one forward keeps for backward (the activations).
 # Under CUDA graphs the activations live in the graphs' pool and are not measured: the target is then
 # listed as not measured, not judged on the peak (which also holds the adapters' optimizer state).
 LORA_MEMORY_TARGET = 1.05
 MFU_TARGET = 0.50  # dense full fine-tune, 8B shape, H100 bf16
+
+
+def counted_tokens(r: dict[str, Any]) -> int:
+    """The tokens per step that a row's tokens/s counts (:data:`TOKENS_COUNTED`)."""
+    return r.get("useful_tokens_per_step", r["tokens_per_step"])
 
 
 def _why(r: dict[str, Any], limit: int) -> str:
@@ -223,6 +235,11 @@ def markdown(doc: dict[str, Any]) -> str:
         tag = f" [{r['tag']}]" if r.get("tag") else ""  # groups of one shape told apart
         tag += f" @{_commit(doc, r)}" if len(commits) > 1 else ""
         tag += " (interleaved; memory: all models)" if r.get("interleaved_with") else ""
+        if "useful_tokens_per_step" in r:  # packed SFT row: tokens/s counts these
+            tag += (
+                f" ({r['useful_tokens_per_step']:,} useful tokens of {r['tokens_per_step']:,}, "
+                f"{r['answer_tokens_per_step']:,} answer tokens)"
+            )
         head = f"| {r['shape']} | {r['seq_len']} | {r['micro_batch_size']} | {r['label']}{tag} "
         if r.get("status") != "ok":
             lines.append(

@@ -44,7 +44,14 @@ PRESETS = {
     },
     # every shape; run it over several calls (--shapes a subset per call, same --out)
     "full": {
-        "shapes": ["qwen3-1.7b", "qwen2.5-1.5b", "qwen3-8b", "qwen3-30b-a3b"],
+        "shapes": [
+            "qwen3-1.7b",
+            "qwen2.5-1.5b",
+            "qwen3-8b",
+            "qwen3-30b-a3b",
+            "qwen3.5-9b",
+            "qwen3.5-35b-a3b",
+        ],
         "warmup": 3,
         "steps": 20,
         "seq": 4096,
@@ -246,11 +253,16 @@ def _document(args, settings, on_gpu: bool, pinning: str, command: str) -> dict:
         "environment": environment(args.in_process, args.out) | {"cpu_pinning": pinning},
         "settings": settings.__dict__,
         "flop_formula": {
-            "full": "6*N*T + 3*A",
-            "lora": "4*N*T + 6*N_lora*T + 3*A",
-            "frozen": "4*N*T + 3*A",
-            "A": "2 * layers * seq_len * heads * head_dim * T (causal attention core, forward)",
-            "N": "matmul weights per token incl. output layer; MoE: router + top-k experts (+ shared)",
+            "full": "6*N*T + 3*(A + D)",
+            "lora": "4*N*T + 6*N_lora*T + 3*(A + D)",
+            "frozen": "4*N*T + 3*(A + D)",
+            "T": "tokens per step: seq_len * micro_batch_size; a packed SFT row: its conversations' tokens",
+            "A": "2 * full-attention layers * heads * head_dim * sum over sequences of length^2 "
+            "(causal attention core, forward)",
+            "D": "2 * Gated DeltaNet layers * 4 * value heads * key_head_dim * value_head_dim * T "
+            "(chunked gated delta rule, forward)",
+            "N": "matmul weights per token incl. output layer; MoE: router + top-k experts (+ shared); "
+            "hybrid: gated attention (q twice as wide) or Gated DeltaNet in_proj + out_proj per layer",
         },
     }
     doc["peak_flops_per_gpu"] = peak_flops(doc["environment"]["device"]) if on_gpu else None

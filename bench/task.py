@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import memory
+from . import memory, report
 from .device import on_gpu
 from .flops import peak_flops, step_flops
 from .profiling import profile_steps
@@ -81,7 +81,7 @@ def run_task(task: Task) -> dict[str, Any]:
     s, hf_dir = task.settings, Path(task.hf_dir)
     variant = VARIANTS[task.variant]
     base = _base(task, task.variant)
-    reason = variant.unavailable()
+    reason = variant.unavailable(hf_dir, s)
     if reason:
         return base | {"status": "skipped", "reason": reason}
     name = f"{task.shape}__{task.variant}" + (f"__{task.tag}" if task.tag else "")
@@ -103,7 +103,7 @@ def run_interleaved(task: Task, variants: list[str]) -> list[dict[str, Any]]:
     s, hf_dir = task.settings, Path(task.hf_dir)
     if s.load or s.profile or s.cuda_graphs != "none" or not all(VARIANTS[v].interleavable for v in variants):
         raise ValueError("interleaving times Megatron variants, eager, without load timing or profiler")
-    skipped = {v: reason for v in variants if (reason := VARIANTS[v].unavailable())}
+    skipped = {v: reason for v in variants if (reason := VARIANTS[v].unavailable(hf_dir, s))}
     runnable = [v for v in variants if v not in skipped]
     results = {v: _base(task, v) | {"status": "skipped", "reason": r} for v, r in skipped.items()}
     t0 = time.perf_counter()
@@ -124,7 +124,8 @@ def run_interleaved(task: Task, variants: list[str]) -> list[dict[str, Any]]:
 
 
 def derived_metrics(r: dict[str, Any], hf_dir: Path, s: Settings) -> dict[str, Any]:
-    """tokens/s/GPU, model FLOPs, TFLOP/s and MFU from the median step time."""
+    """tokens/s/GPU, model FLOPs, TFLOP/s and MFU from the median step time; for a packed row
+    (``sequence_lengths`` in the result) on its conversations' tokens only."""
     from twinkle_specs.hf_config import qwen_arch_from_hf
 
     arch = qwen_arch_from_hf(hf_dir)
@@ -135,12 +136,14 @@ def derived_metrics(r: dict[str, Any], hf_dir: Path, s: Settings) -> dict[str, A
         micro_batch_size=s.micro_batch_size,
         mode=mode,
         lora=lora_config(s) if mode == "lora" else None,
+        sequence_lengths=r.get("sequence_lengths"),
     )
     median = r["step_time_s"]["median"]
     peak = peak_flops(r["device"]) if r["device"] != "cpu" else None
     achieved = flops.total / median
     return {
-        "tokens_per_s_per_gpu": r["tokens_per_step"] / median,
+        "tokens_counted": report.TOKENS_COUNTED["useful" if "useful_tokens_per_step" in r else "all"],
+        "tokens_per_s_per_gpu": report.counted_tokens(r) / median,
         "model_flops": flops.as_dict(),
         "tflops_per_s_per_gpu": achieved / 1e12,
         "peak_flops_per_gpu": peak,

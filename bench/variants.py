@@ -3,8 +3,9 @@
 Adding a variant or a peer framework is one :class:`Variant` in ``VARIANTS``: a name (the command line's
 ``--variants`` and results.json's ``variant``), a label, what its step computes (for the FLOP count)
 and a build function ``(hf_dir, settings) -> Prepared`` that builds the model, optimizer and data and
-returns the training step (:class:`~bench.settings.Prepared`). Timing, memory, profiling, the FLOP
-count and the report are the same for every entry. A build function imports its framework inside
+returns the training step (:class:`~bench.settings.Prepared`); ``unavailable(hf_dir, settings)`` says
+why it cannot run for that shape and those settings on this machine. Timing, memory, profiling, the
+FLOP count and the report are the same for every entry. A build function imports its framework inside
 itself: this module is imported by the parent process, which must stay free of CUDA and of libraries
 that patch others on import.
 """
@@ -19,7 +20,7 @@ from . import build_hf, build_megatron
 from .settings import Prepared, Settings
 
 
-def _always_available() -> str | None:
+def _always_available(hf_dir: Path, s: Settings) -> str | None:
     return None
 
 
@@ -36,7 +37,9 @@ class Variant:
     # Megatron variants, whose process-wide state allows several models at once)
     interleavable: bool = False
     times_load: bool = False  # times the HF checkpoint's load: the run writes one first
-    unavailable: Callable[[], str | None] = _always_available  # why it cannot run here (-> skipped)
+    # why it cannot run for this shape (hf_dir) and these settings here (-> skipped); called in the
+    # process that runs the variant, so it may import its framework
+    unavailable: Callable[[Path, Settings], str | None] = _always_available
 
 
 VARIANTS: dict[str, Variant] = {
@@ -74,5 +77,16 @@ VARIANTS: dict[str, Variant] = {
             interleavable=True,
         ),
         Variant("hf_full", "(f) transformers full fine-tune (sdpa)", "full", build_hf.full, default=False),
+        # Not in the default list: a workload of its own (one packed row, micro-batch 1, eager) that no
+        # target judges, and one more model build per shape in a preset sized to one device call.
+        Variant(
+            "twinkle_lora_sft",
+            "(g) twinkle_specs LoRA all-linear, packed SFT rows",
+            "lora",
+            build_megatron.twinkle_lora_sft,
+            default=False,
+            interleavable=True,
+            unavailable=build_megatron.packed_sft_unavailable,
+        ),
     )
 }

@@ -24,6 +24,7 @@ from bench.environment import code_provenance, cpu_list, parse_cpu_list  # noqa:
 from bench.flops import peak_flops, step_flops  # noqa: E402
 from bench.outputs import EXPORT_FILES  # noqa: E402
 from bench.run import main  # noqa: E402
+from twinkle_specs.config_reading import HybridArch  # noqa: E402
 from twinkle_specs.hf_config import QwenArch  # noqa: E402
 from twinkle_specs.lora import LoraConfig  # noqa: E402
 
@@ -49,6 +50,7 @@ RESULT_KEYS = {
     "total_params",
     "trainable_params",
     "losses_finite",
+    "tokens_counted",
 }
 SPREAD_KEYS = {"median", "mean", "min", "max", "p10", "p90", "std", "all"}
 
@@ -124,6 +126,185 @@ def test_flops_moe_by_hand():
     assert lora.total == 4 * 768 * 10 + 6 * 352 * 10 + 3 * 1600 == 56640
 
 
+def _hybrid_arch(family: str = "qwen3_5", **kw) -> QwenArch:
+    """A tiny hybrid: layers [linear_attention, full_attention], gated attention 2 heads x 4 (1 KV
+    group), Gated DeltaNet 1 key head and 2 value heads of 4."""
+    hybrid = HybridArch(
+        layer_types=("linear_attention", "full_attention"),
+        conv_kernel=4,
+        key_head_dim=4,
+        value_head_dim=4,
+        num_key_heads=1,
+        num_value_heads=2,
+        rotary_percent=0.25,
+        fused_projections=family == "qwen3_next",
+        text_prefix="model.",
+        multimodal=False,
+    )
+    arch = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+    arch["qwen3_next"] = "Qwen3NextForCausalLM"
+    return _arch(architecture=arch[family], family=family, hybrid=hybrid, **kw)
+
+
+def test_flops_hybrid_by_hand():
+    # Qwen3.5, h 8. Full-attention layer (gated: q_proj 8 -> 2 * 2 * 4 = 16, queries and gate): q 8x16,
+    # k 8x4, v 8x4, o 8x8 -> 256. Gated DeltaNet layer: in_proj 8 -> q 4, k 4, v 8, z 8, b 2, a 2 = 28 -> 224,
+    # out_proj 8x8 = 64 -> 288 (conv1d no matmul). MLPs 2 * 384, output layer 256: N = 1568.
+    a = _hybrid_arch()
+    full = step_flops(a, seq_len=10, micro_batch_size=1, mode="full")
+    assert full.matmul_weights == 256 + 288 + 2 * 384 + 256 == 1568
+    # A on the one full-attention layer: 2 * 1 * heads 2 * head_dim 4 * 10^2 = 1600
+    # D on the one Gated DeltaNet layer: 2 * 1 * 4 * value heads 2 * d_k 4 * d_v 4 * T 10 = 2560
+    assert full.attention_forward == 1600 and full.linear_attention_forward == 2560
+    assert full.total == 6 * 1568 * 10 + 3 * (1600 + 2560) == 106560
+    # LoRA r=2 all-linear. Full layer: q 2*(8+16), k 2*(8+4), v 2*(8+4), o 2*(8+8) = 128; GDN layer:
+    # in_proj_qkv 2*(8+16), in_proj_z 2*(8+8), in_proj_b 2*(8+2), in_proj_a 2*(8+2), out_proj 2*(8+8) = 152;
+    # MLP per layer gate, up, down 3 * 2*(8+16) = 144, twice
+    lora = step_flops(
+        a, seq_len=10, micro_batch_size=1, mode="lora", lora=LoraConfig(r=2, target_modules="all-linear")
+    )
+    assert lora.adapter_weights == 128 + 152 + 2 * 144 == 568
+    assert lora.total == 4 * 1568 * 10 + 6 * 568 * 10 + 3 * 4160 == 109280
+    # out_proj alone (a Gated DeltaNet name) adapts the linear layers only
+    out = step_flops(
+        a, seq_len=10, micro_batch_size=1, mode="lora", lora=LoraConfig(r=2, target_modules="out_proj")
+    )
+    assert out.adapter_weights == 2 * (8 + 8)
+    # a packed row of sequences 6 and 3 (T = 9): each attends within itself, A = 2 * 2 * 4 * (36 + 9)
+    packed = step_flops(a, seq_len=10, micro_batch_size=1, mode="full", sequence_lengths=[6, 3])
+    assert packed.tokens == 9 and packed.attention_forward == 720
+    assert packed.linear_attention_forward == 2 * 4 * 2 * 4 * 4 * 9 == 2304
+    assert packed.total == 6 * 1568 * 9 + 3 * (720 + 2304) == 93744
+
+
+def test_flops_hybrid_moe_by_hand():
+    # 4 experts of 6, top-2, a shared expert of 5 with its gate. MLP per layer: router 8*4 + two experts
+    # 2*3*8*6 + shared 3*8*5 + gate 8 = 448; N = 256 + 288 + 2 * 448 + 256 = 1696
+    moe = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=6, shared_expert_intermediate_size=5)
+    a = _hybrid_arch("qwen3_5_moe", **moe)
+    assert step_flops(a, seq_len=10, micro_batch_size=1, mode="full").matmul_weights == 1696
+    all_linear = LoraConfig(r=2, target_modules="all-linear")
+    # Qwen3.5-MoE: peft's MLP names mean the shared expert (gate, up 2*(8+5), down 2*(5+8) per layer),
+    # no routed expert or router adapters: 128 + 152 + 2 * 78
+    lora = step_flops(a, seq_len=10, micro_batch_size=1, mode="lora", lora=all_linear)
+    assert lora.adapter_weights == 128 + 152 + 2 * 78 == 436
+    # Qwen3-Next: the routed experts (gate_up at rank 2r: 2 * 4 * (8 + 12), down 2 * 2 * (6 + 8)), the router
+    # 2 * (8 + 4) and the fused in_proj_qkvz 2 * (8 + 24) + in_proj_ba 2 * (8 + 4), out_proj 2 * (8 + 8)
+    nxt = step_flops(
+        _hybrid_arch("qwen3_next", **moe), seq_len=10, micro_batch_size=1, mode="lora", lora=all_linear
+    )
+    assert nxt.adapter_weights == 128 + (64 + 24 + 32) + 2 * (160 + 56 + 24)
+
+
+def test_hybrid_shapes_are_the_released_models(tmp_path):
+    """The Qwen3.5 shapes' config.json: read by twinkle-specs as the released language models (bar the
+    layer count), accepted by transformers, their layer_types derived from the layer count."""
+    from transformers import AutoConfig
+
+    from bench.shapes import hybrid_layer_types, write_config
+    from twinkle_specs.hf_config import qwen_arch_from_hf
+
+    assert hybrid_layer_types(1, 4) == ["full_attention"]
+    assert hybrid_layer_types(2, 4) == ["linear_attention", "full_attention"]
+    assert hybrid_layer_types(8, 4) == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    assert (
+        hybrid_layer_types(6, 4)[3] == "full_attention"
+        and hybrid_layer_types(6, 4).count("full_attention") == 1
+    )
+    dense = qwen_arch_from_hf(write_config("qwen3.5-9b", 32, tmp_path / "9b"))
+    assert dense.architecture == "Qwen3_5ForCausalLM" and dense.hybrid is not None
+    assert (dense.vocab_size, dense.hidden_size, dense.ffn_hidden_size, dense.num_layers) == (
+        248320,
+        4096,
+        12288,
+        32,
+    )
+    assert (dense.num_attention_heads, dense.num_query_groups, dense.kv_channels) == (16, 4, 256)
+    assert dense.hybrid.layer_types == tuple(hybrid_layer_types(32, 4))
+    assert (
+        dense.rotary_base == 1e7 and dense.max_position_embeddings == 262144 and not dense.tie_word_embeddings
+    )
+    h = dense.hybrid
+    assert (h.num_key_heads, h.num_value_heads, h.key_head_dim, h.value_head_dim, h.conv_kernel) == (
+        16,
+        32,
+        128,
+        128,
+        4,
+    )
+    assert h.rotary_percent == 0.25 and dense.norm_epsilon == 1e-6
+    moe = qwen_arch_from_hf(write_config("qwen3.5-35b-a3b", None, tmp_path / "moe"))
+    assert moe.architecture == "Qwen3_5MoeForCausalLM" and moe.hybrid.layer_types == (
+        "linear_attention",
+        "full_attention",
+    )
+    assert (moe.hidden_size, moe.num_attention_heads, moe.num_query_groups, moe.kv_channels) == (
+        2048,
+        16,
+        2,
+        256,
+    )
+    assert (moe.num_experts, moe.moe_router_topk, moe.moe_ffn_hidden_size) == (256, 8, 512)
+    assert moe.shared_expert_intermediate_size == 512 and moe.rotary_base == 1e7
+    assert AutoConfig.from_pretrained(tmp_path / "moe").model_type == "qwen3_5_moe_text"
+
+
+def test_packed_row_is_laid_out_as_megatrons_sft_rows():
+    """A packed row as Megatron-LM's SFTDataset makes it: sequence bounds rising to seq_len (the padding
+    joins the last sequence), the conversations' tokens first, positions restarting per conversation, and
+    the loss mask on exactly the labels that are answer tokens."""
+    from bench.packed_rows import EOD, IGNORE_INDEX, PAD, pack_lengths, packed_row
+
+    for seq_len in (64, 2048, 4096):
+        convs = pack_lengths(seq_len, 7)
+        row = packed_row(seq_len, 512, 7)
+        cu = row.cu_seqlens.tolist()
+        assert row.cu_seqlens.dtype == torch.int32 and cu[0] == 0 and cu[-1] == seq_len
+        assert all(a < b for a, b in zip(cu[:-1], cu[1:], strict=True)), cu
+        ends = [sum(p + a for p, a in convs[: i + 1]) for i in range(len(convs))]
+        assert cu[1:-1] == ends[:-1] and row.useful_tokens == ends[-1] <= seq_len
+        assert row.sequence_lengths == [p + a for p, a in convs]
+        assert row.max_seqlen == max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True))
+        expected = torch.zeros(seq_len)
+        positions = []
+        for (prompt, answer), start in zip(convs, [0] + ends[:-1], strict=True):
+            expected[start + prompt - 1 : start + prompt + answer - 1] = 1  # labels that are answer tokens
+            positions += range(prompt + answer)
+        assert torch.equal(row.loss_mask[0], expected) and row.answer_tokens == sum(a for _, a in convs)
+        tokens, labels = row.tokens[0], row.labels[0]
+        assert row.position_ids[0, : row.useful_tokens].tolist() == positions
+        assert torch.equal(labels[:-1][expected[:-1] == 1], tokens[1:][expected[:-1] == 1])
+        assert set(labels[expected == 0].tolist()) <= {PAD, IGNORE_INDEX}
+        tail = tokens[row.useful_tokens :]
+        assert (tail == PAD).all() and (row.position_ids[0, row.useful_tokens :].diff() == 1).all()
+        assert all(tokens[e - 1] == EOD for e in ends[:-1])
+    # the first conversation (136 prompt + 209 answer tokens) alone is longer than a row of 64: cut to it
+    assert pack_lengths(64, 7) == [(63, 1)]
+
+
+def test_packed_row_lengths_follow_the_stated_distribution():
+    """Log-normal conversation lengths, median 450 and mean ~600 (docs/benchmarks.md), prompts 20-50 %."""
+    import itertools
+    import statistics
+
+    from bench.packed_rows import conversation_lengths
+
+    drawn = list(itertools.islice(conversation_lengths(0), 20000))
+    lengths = sorted(p + a for p, a in drawn)
+    assert 430 < statistics.median(lengths) < 470 and 570 < statistics.mean(lengths) < 625
+    assert 120 < lengths[1000] < 145 and 1450 < lengths[19000] < 1650  # 5th and 95th percentile
+    assert all(0.15 < p / (p + a) < 0.55 for p, a in drawn)
+
+
+def test_packed_rows_need_micro_batch_1_and_eager():
+    from bench.build_megatron import packed_sft_unavailable
+    from bench.settings import Settings
+
+    assert packed_sft_unavailable(Path(), Settings(micro_batch_size=1)) is None
+    assert "micro-batch 1" in packed_sft_unavailable(Path(), Settings(micro_batch_size=2))
+    assert "eager" in packed_sft_unavailable(Path(), Settings(cuda_graphs="transformer_engine"))
+
+
 def test_flops_real_shape_matches_known_mfu():
     # A known H100 measurement: Qwen3-1.7B, seq 4096, 32.1k tok/s full fwd+bwd was 38% MFU.
     from bench.shapes import hf_config
@@ -164,12 +345,21 @@ def _check_ok_result(r: dict) -> None:
     t = r["step_time_s"]
     assert len(t["all"]) == 2 and t["min"] <= t["median"] <= t["max"] and t["min"] > 0
     assert r["tokens_per_step"] == r["seq_len"] * r["micro_batch_size"]
-    assert math.isclose(r["tokens_per_s_per_gpu"], r["tokens_per_step"] / t["median"])
     assert r["losses_finite"] and len(r["losses"]) == 1 + 2  # warm-up + timed
     flops = r["model_flops"]
     assert math.isclose(r["tflops_per_s_per_gpu"], flops["total"] / t["median"] / 1e12)
     assert r["mfu"] is None  # no peak for a CPU
-    expected_mode = {"twinkle_lora": "lora", "hf_peft_lora": "lora", "twinkle_frozen": "frozen"}
+    if r["variant"] == "twinkle_lora_sft":  # a packed row: tokens/s and FLOPs count its conversations only
+        useful = r["useful_tokens_per_step"]
+        assert 0 < r["answer_tokens_per_step"] < useful == sum(r["sequence_lengths"]) == flops["tokens"]
+        assert r["tokens_counted"].startswith("useful tokens")
+        assert math.isclose(r["tokens_per_s_per_gpu"], useful / t["median"])
+    else:
+        assert r["tokens_counted"].startswith("every position") and flops["tokens"] == r["tokens_per_step"]
+        assert math.isclose(r["tokens_per_s_per_gpu"], r["tokens_per_step"] / t["median"])
+    expected_mode = {"twinkle_frozen": "frozen"} | dict.fromkeys(
+        ("twinkle_lora", "hf_peft_lora", "twinkle_lora_sft"), "lora"
+    )
     assert flops["mode"] == expected_mode.get(r["variant"], "full")
     if flops["mode"] == "lora":
         assert 0 < r["trainable_params"] < r["total_params"]
@@ -351,6 +541,60 @@ def test_interleaved_variants_train_as_they_would_alone(cpu_run, tmp_path):
         assert r["losses"] == alone[r["variant"]]["losses"], r["variant"]
 
 
+HYBRID_VARIANTS = "mcore_te_full,twinkle_full,twinkle_lora,hf_peft_lora,twinkle_frozen,twinkle_lora_sft"
+
+
+@pytest.fixture(scope="module")
+def hybrid_run(tmp_path_factory):
+    """The tiny Qwen3.5 shapes through every variant, and (c) and (g) on the dense tiny shape, at seq 2048
+    (a row that holds a few conversations of the packed SFT length distribution)."""
+    out, work = tmp_path_factory.mktemp("hybrid-out"), tmp_path_factory.mktemp("hybrid-work")
+    argv = ["--preset", "tiny", "--in-process", "--seq", "2048", "--out", str(out), "--work", str(work)]
+    argv += ["--load-layouts", ","]
+    assert main(argv + ["--shapes", "tiny-qwen3.5,tiny-qwen3.5-moe", "--variants", HYBRID_VARIANTS]) == 0
+    assert (
+        main(argv + ["--shapes", "tiny-qwen3", "--variants", "twinkle_lora,twinkle_lora_sft", "--no-load"])
+        == 0
+    )
+    return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU proof; the GPU test covers the device")
+def test_cpu_hybrid_shapes_and_packed_rows(hybrid_run):
+    """(b)-(e) and (g) train the Qwen3.5 shapes on the portable path (the Gated DeltaNet's torch rule), (a)
+    is skipped for want of CUDA; the FLOP count's adapters are those the LoRA models train; the packed SFT
+    rows count their conversations' tokens only, on the hybrid and the dense shape."""
+    out, doc = hybrid_run
+    rows = {(r["shape"], r["variant"]): r for r in doc["results"]}
+    assert len(rows) == 2 * 6 + 2
+    for shape in ("tiny-qwen3.5", "tiny-qwen3.5-moe"):
+        stock = rows[shape, "mcore_te_full"]
+        assert stock["status"] == "skipped" and "CUDA" in stock["reason"]
+        for variant in HYBRID_VARIANTS.split(",")[1:]:
+            r = rows[shape, variant]
+            assert r["status"] == "ok", r.get("traceback") or r
+            _check_ok_result(r)
+            assert (
+                r["model_flops"]["linear_attention_forward"] > 0 and r["model_flops"]["attention_forward"] > 0
+            )
+        c, d, g = rows[shape, "twinkle_lora"], rows[shape, "hf_peft_lora"], rows[shape, "twinkle_lora_sft"]
+        # the same adapters in Megatron and in peft, and the ones N_lora counts (each used once per token)
+        assert c["trainable_params"] == d["trainable_params"] == c["model_flops"]["adapter_weights"]
+        assert g["trainable_params"] == c["trainable_params"]
+        assert d.get("peft_exclude_modules") == (["shared_expert_gate"] if shape.endswith("moe") else None)
+        assert 0.9 < rows[shape, "twinkle_full"]["load"]["read_fraction"] <= 1.0
+    for shape in ("tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3"):
+        c, g = rows[shape, "twinkle_lora"], rows[shape, "twinkle_lora_sft"]
+        assert g["useful_tokens_per_step"] < g["tokens_per_step"] == 2048 and len(g["sequence_lengths"]) > 1
+        # fewer tokens, each attending within its own conversation: less model work than (c)'s row
+        assert g["model_flops"]["attention_forward"] < c["model_flops"]["attention_forward"]
+        ratio = doc["ratios"][f"{shape} seq2048 mbs1"]["sft_over_c_tokens_per_s"]
+        assert math.isclose(ratio, g["tokens_per_s_per_gpu"] / c["tokens_per_s_per_gpu"])
+    md = (out / "results.md").read_text()
+    useful = rows["tiny-qwen3.5", "twinkle_lora_sft"]["useful_tokens_per_step"]
+    assert f"packed SFT rows ({useful:,} useful tokens of 2,048, " in md and "sft_over_c_tokens_per_s" in md
+
+
 def test_interleaving_alternates_the_order_every_round():
     """One step of each variant per round, the order reversed every round (warm-up rounds too); each
     variant's results hold only its own steps and losses."""
@@ -521,7 +765,9 @@ def test_a_new_variant_is_one_registry_entry(tmp_path, monkeypatch):
     monkeypatch.setitem(
         variants.VARIANTS,
         "toy_elsewhere",
-        variants.Variant("toy_elsewhere", "(u) not here", "full", build, unavailable=lambda: "needs a TPU"),
+        variants.Variant(
+            "toy_elsewhere", "(u) not here", "full", build, unavailable=lambda hf_dir, s: "needs a TPU"
+        ),
     )
     argv = ["--preset", "tiny", "--in-process", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]
     assert main(argv + ["--variants", "toy,toy_elsewhere", "--no-load", "--load-layouts", ","]) == 0
