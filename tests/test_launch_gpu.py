@@ -146,6 +146,20 @@ def pretrain(
     return losses, dump_dir, log
 
 
+def save_and_export_at_5(out: Path) -> tuple[str, ...]:
+    """Flags that save under ``out/ck`` and export to HF under ``out/export`` at iteration 5 (the export
+    checks then read iteration 6's batches)."""
+    return (
+        "--save",
+        str(out / "ck"),
+        "--save-interval",
+        "5",
+        "--hf-export",
+        str(out / "export"),
+        "--hf-export-on-save",
+    )
+
+
 def micro_batches(iteration: int, dp: int) -> range:
     """The dumped micro-batch indices of ``iteration`` on each data-parallel rank (train_flags' batch)."""
     per_iteration = GLOBAL_BATCH // (MICRO_BATCH * dp)
@@ -283,13 +297,7 @@ def test_hybrid_trains_and_exports(e2e, kind, lora):
         out,
         "--mock-data",
         *flags,
-        "--save",
-        str(out / "ck"),
-        "--save-interval",
-        "5",
-        "--hf-export",
-        str(out / "export"),
-        "--hf-export-on-save",
+        *save_and_export_at_5(out),
         dump_count=len(micro_batches(1, 1)) * 6,
     )
     assert sorted(losses) == list(range(1, 7)), sorted(losses)
@@ -426,13 +434,7 @@ def train_and_check_layout(
         *flags,
         *layout,
         "--use-distributed-optimizer",
-        "--save",
-        str(out / "ck"),
-        "--save-interval",
-        "5",
-        "--hf-export",
-        str(out / "export"),
-        "--hf-export-on-save",
+        *save_and_export_at_5(out),
         nproc=4,
         dump_count=len(micro_batches(1, dp)) * 6,
         TWINKLE_DUMP_TRAINED=str(out / "trained"),
