@@ -3,6 +3,7 @@ attention and torch AdamW (fused on a GPU)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ def prepare(hf_dir: Path, s: Settings, peft_lora: bool = False) -> Prepared:
     with dev:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=s.torch_dtype())
     result: dict[str, Any] = {"impl": f"transformers {model.config._attn_implementation}"}
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        # transformers' Gated DeltaNet takes fla's kernel whenever fla is installed, else its torch rule
+        fla = importlib.util.find_spec("fla") is not None
+        result["gdn_rule"] = "fla chunk_gated_delta_rule" if fla else "torch reference (transformers')"
     experts = getattr(model.config, "_experts_implementation", None)
     if experts and getattr(config, "num_experts", None):
         result["impl"] += f", experts {experts}"

@@ -124,7 +124,10 @@ def stock_te_model(hf_dir: Path, s: Settings, overrides: dict[str, Any]) -> tupl
         )
 
         spec: Any = block_spec(config=config)
-        facts = {"spec": "get_transformer_block_with_experimental_attention_variant_spec"}
+        facts = {
+            "spec": "get_transformer_block_with_experimental_attention_variant_spec",
+            "gdn_rule": "fla chunk_gated_delta_rule (megatron-core's GatedDeltaNet has no other)",
+        }
     else:
         spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts,
@@ -241,6 +244,10 @@ def twinkle_model(
         for p in model.parameters():
             p.requires_grad_(False)
         model.embedding.register_forward_hook(_require_grad_hook)
+    if model.config.experimental_attention_variant is not None:  # the hybrids' Gated DeltaNet layers
+        from twinkle_specs.gdn import training_rule
+
+        facts["gdn_rule"] = training_rule(on_gpu())
     return model, facts
 
 

@@ -582,6 +582,9 @@ def test_cpu_hybrid_shapes_and_packed_rows(hybrid_run):
         assert c["trainable_params"] == d["trainable_params"] == c["model_flops"]["adapter_weights"]
         assert g["trainable_params"] == c["trainable_params"]
         assert d.get("peft_exclude_modules") == (["shared_expert_gate"] if shape.endswith("moe") else None)
+        # which chunked delta rule each side trained on is in the result (the torch reference here)
+        assert c["gdn_rule"] == "torch reference (host tensors)", c.get("gdn_rule")
+        assert d["gdn_rule"] == "torch reference (transformers')", d.get("gdn_rule")
         assert 0.9 < rows[shape, "twinkle_full"]["load"]["read_fraction"] <= 1.0
     for shape in ("tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3"):
         c, g = rows[shape, "twinkle_lora"], rows[shape, "twinkle_lora_sft"]

@@ -419,6 +419,7 @@ def test_fla_rule_steps_aside_where_fla_refuses_its_backward(
     """fla 0.6 raises in the Gated DeltaNet backward on Hopper with Triton in [3.4, 3.7.1) (seen on the
     H100 at the first training step): training takes the torch reference then, with one warning that
     says why and what to install; forward-only calls keep fla's kernel."""
+    import importlib.machinery
     import importlib.util
     import sys
     import types
@@ -434,8 +435,10 @@ def test_fla_rule_steps_aside_where_fla_refuses_its_backward(
         TRITON_ABOVE_3_4_0=version >= (3, 4, 0),
         TRITON_ABOVE_3_7_1=version >= (3, 7, 1),
     )
+    fla = types.ModuleType("fla")
+    fla.__spec__ = importlib.machinery.ModuleSpec("fla", None)
     modules = {
-        "fla": types.ModuleType("fla"),
+        "fla": fla,
         "fla.utils": fla_utils,
         "fla.ops": types.ModuleType("fla.ops"),
         "fla.ops.gated_delta_rule": types.SimpleNamespace(chunk_gated_delta_rule=rule),
@@ -456,10 +459,14 @@ def test_fla_rule_steps_aside_where_fla_refuses_its_backward(
             assert gdn._fla_rule(needs_grad=False) is rule
             assert (gdn._fla_rule(needs_grad=True) is rule) == trains_on_fla
             gdn._fla_rule(needs_grad=True)
+            kernel = gdn.training_rule(on_cuda=True)  # what the benchmark records
     finally:
         gdn.fla_backward_refused.cache_clear()
         gdn._warn_once.cache_clear()
     warnings = [r.getMessage() for r in caplog.records if r.name == "twinkle_specs.gdn"]
+    assert (
+        kernel == "fla chunk_gated_delta_rule" if trains_on_fla else kernel.startswith("torch reference (")
+    ), kernel
     if trains_on_fla:
         assert not warnings
     else:

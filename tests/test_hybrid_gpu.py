@@ -25,13 +25,6 @@ HYBRID_FP32_MAX_ABS = 3e-2
 HYBRID_FP32_MEAN_ABS = 3e-3
 
 
-@pytest.fixture(scope="module")
-def single_gpu():
-    from twinkle_specs.parity import _init_single_process
-
-    _init_single_process()
-
-
 def _transformers_logits(hf, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """transformers on the GPU (with fla installed its Gated DeltaNet takes fla's kernels, which refuse
     host tensors), in ``dtype``, as fp32."""
@@ -44,7 +37,7 @@ def _transformers_logits(hf, tokens: torch.Tensor, dtype: torch.dtype) -> torch.
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hybrid_cuda_path_matches_transformers(kind, dtype, tmp_path_factory, single_gpu):
+def test_hybrid_cuda_path_matches_transformers(kind, dtype, tmp_path_factory, gpu):
     import twinkle_specs as ts
     from twinkle_specs.parity import compare_logits
 

@@ -66,6 +66,18 @@ def fla_backward_refused() -> str | None:
     )
 
 
+def training_rule(on_cuda: bool) -> str:
+    """Which chunked gated delta rule a training step of these layers runs here, and why (for reports:
+    the torch reference is correct but far slower than fla's kernel)."""
+    if not on_cuda:
+        return "torch reference (host tensors)"
+    if importlib.util.find_spec("fla") is None:
+        return "torch reference (flash-linear-attention is not installed)"
+    if why := fla_backward_refused():
+        return f"torch reference ({why.split(':')[0]})"
+    return "fla chunk_gated_delta_rule"
+
+
 @functools.cache
 def _warn_once(message: str) -> None:
     logging.getLogger(__name__).warning(message)
