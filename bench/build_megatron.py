@@ -489,7 +489,7 @@ def stock_te_unavailable(hf_dir: Path, s: Settings) -> str | None:
         from twinkle_specs.gdn import fla_backward_refused
 
         if why := fla_backward_refused():  # megatron-core's module has no torch fallback for training
-            return f"megatron-core's GatedDeltaNet trains on fla's kernels only; {why.split(':')[0]}"
+            return f"megatron-core's GatedDeltaNet trains on fla's kernels only; {why}"
     return None
 
 

@@ -40,7 +40,11 @@ def _fla_rule(needs_grad: bool):
     except ImportError:
         return None
     if needs_grad and (why := fla_backward_refused()):
-        _warn_once(why)
+        _warn_once(
+            f"{why}: training runs megatron-core's torch reference of the chunked rule instead (correct, "
+            f"slower); forward-only calls still use fla. Install tilelang (or Triton >= 3.7.1) for fla's "
+            f"kernels in training."
+        )
         return None
     return chunk_gated_delta_rule
 
@@ -60,9 +64,7 @@ def fla_backward_refused() -> str | None:
 
     return (
         f"flash-linear-attention refuses the Gated DeltaNet backward on this Hopper GPU with Triton "
-        f"{triton.__version__} (wrong results below Triton 3.7.1): training runs megatron-core's torch "
-        f"reference of the chunked rule instead (correct, slower); forward-only calls still use fla. "
-        f"Install tilelang (or Triton >= 3.7.1) for fla's kernels in training."
+        f"{triton.__version__} (wrong results below Triton 3.7.1)"
     )
 
 
@@ -74,7 +76,7 @@ def training_rule(on_cuda: bool) -> str:
     if importlib.util.find_spec("fla") is None:
         return "torch reference (flash-linear-attention is not installed)"
     if why := fla_backward_refused():
-        return f"torch reference ({why.split(':')[0]})"
+        return f"torch reference ({why})"
     return "fla chunk_gated_delta_rule"
 
 
