@@ -61,7 +61,7 @@ def init_megatron(s: Settings) -> None:
             from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
             mbs = s.micro_batch_size
-            init_num_microbatches_calculator(0, None, mbs, mbs, 1)
+            init_num_microbatches_calculator(0, None, mbs * s.grad_accum, mbs, 1)
     torch.manual_seed(s.seed)
 
 
@@ -352,6 +352,8 @@ def prepare(
         ]
     if trains:
         wrapped, finish, result["optimizer"] = _optimizer(s, model, config)
+        if on_gpu() and s.grad_accum > 1:
+            result["unfused_grad_accumulation_ms"] = unfused_accumulation_ms(model)
     else:
         wrapped, finish, result["optimizer"] = model, (lambda: None), "none (nothing trainable)"
     model.train()
@@ -378,7 +380,8 @@ def prepare(
     local_graphs = on_gpu() and s.cuda_graphs == "local"
     if on_gpu() and s.cuda_graphs == "full_iteration":
         step = _full_iteration_step(wrapped, finish, config, batch, s)
-        result["step"] = "forward + backward (one CUDA graph) + optimizer step"
+        passes = "forward + backward" + (f" of {s.grad_accum} micro-batches" if s.grad_accum > 1 else "")
+        result["step"] = f"{passes} (one CUDA graph) + optimizer step"
         return Prepared(result, step, activation_note=graphs_note)
 
     def forward():
@@ -392,28 +395,52 @@ def prepare(
             )
             return batch.loss(per_token)
 
-    def backward_and_update(loss):
+    def backward(loss):
         with CLOCK.phase("backward"):
-            loss.backward()
+            (loss / s.grad_accum).backward()
         if local_graphs:
             from megatron.core.transformer.cuda_graphs import create_cudagraphs
 
             create_cudagraphs()
+
+    def update():
         with CLOCK.phase("optimizer"):
             finish()
-        return loss.detach()
 
-    def step():
-        return backward_and_update(forward())
-
+    if not trains:
+        passes = "forward + backward" if s.grad_accum == 1 else f"{s.grad_accum} x (forward + backward)"
+        result["step"] = passes
+    prepared = Prepared.accumulating(result, forward, backward, update, s.grad_accum)
+    prepared.activation_note = graphs_note
     if te_graphs is not None:
         for _ in range(max(s.warmup, config.cuda_graph_warmup_steps)):
-            step()
+            prepared.step()
         # No cuda_graph_set_manual_hooks(): as in Megatron-LM's train(), those are DDP's param-gather
         # pre-hooks, which exist only with overlap_param_gather (DDP asserts so when one is called).
         te_graphs.create_cudagraphs()
-    result["step"] = "forward + backward" + (" + optimizer step" if trains else "")
-    return Prepared(result, step, forward, backward_and_update, graphs_note)
+    return prepared
+
+
+def unfused_accumulation_ms(model, repeats: int = 5) -> float:
+    """What gradient-accumulation fusion would save per micro-batch: megatron's DDP hook adding each
+    trained weight's bf16 gradient into its fp32 ``main_grad`` (``main_grad.add_(grad)``), timed on the
+    GPU (median of ``repeats``). Stock pretrain_gpt.py fuses that add into the weight-gradient GEMM only
+    with apex's ``fused_weight_gradient_mlp_cuda`` (megatron's own output layer requires it), so without
+    apex, as here, every micro-batch pays it."""
+    params = [p for p in model.parameters() if p.requires_grad and hasattr(p, "main_grad")]
+    grads = [torch.randn_like(p) for p in params]
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for p, g in zip(params, grads, strict=True):
+            p.main_grad.add_(g)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    for p in params:
+        p.main_grad.zero_()
+    return sorted(times)[len(times) // 2]
 
 
 def _full_iteration_step(wrapped, finish, config, batch: Batch, s: Settings):
@@ -449,7 +476,7 @@ def _full_iteration_step(wrapped, finish, config, batch: Batch, s: Settings):
                 forward_step_func=forward_step,
                 data_iterator=itertools.repeat(data),
                 model=[wrapped],
-                num_microbatches=1,
+                num_microbatches=s.grad_accum,
                 seq_length=s.seq_len,
                 micro_batch_size=s.micro_batch_size,
                 forward_only=False,
@@ -500,11 +527,52 @@ def packed_sft_unavailable(hf_dir: Path, s: Settings) -> str | None:
         return "packed SFT rows: micro-batch 1 only (as Megatron-LM's --sft)"
     if s.cuda_graphs != "none":
         return "packed SFT rows run eager: megatron-core's CUDA graphs take no packed_seq_params"
+    if s.grad_accum != 1:
+        return "packed SFT rows: one row per optimizer step (--grad-accum 1): its token count is the row's"
     return None
+
+
+def with_fp8(make_model: ModelFn) -> ModelFn:
+    """``make_model`` under Megatron-LM's ``--fp8-format`` / ``--fp8-recipe`` (``Settings.fp8_*``): megatron
+    runs every transformer layer under TE's FP8 autocast, so the TE linears' GEMMs take FP8 operands
+    (LoRA: the frozen base's forward and input-gradient GEMMs; the adapters stay bf16 torch GEMMs)."""
+
+    def make(hf_dir: Path, s: Settings, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        model, facts = make_model(hf_dir, s, overrides | {"fp8": s.fp8_format, "fp8_recipe": s.fp8_recipe})
+        return model, facts | {"fp8": f"--fp8-format {s.fp8_format} --fp8-recipe {s.fp8_recipe}"}
+
+    return make
+
+
+def fp8_unavailable(hf_dir: Path, s: Settings) -> str | None:
+    """Why the FP8 variants cannot run here: Transformer Engine's FP8 GEMMs need a GPU of compute
+    capability 8.9 or newer (blockwise scaling: Hopper's 9.0)."""
+    if not on_gpu():
+        return "FP8 GEMMs need a CUDA GPU with Transformer Engine (compute capability 8.9 or newer)"
+    try:
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    except ImportError:
+        return "Transformer Engine is not installed"
+    ok, why = FP8GlobalStateManager.is_fp8_available()
+    if ok and s.fp8_recipe == "blockwise":
+        ok, why = FP8GlobalStateManager.is_fp8_block_scaling_available()
+    return None if ok else f"Transformer Engine: {why}"
+
+
+def stock_te_fp8_unavailable(hf_dir: Path, s: Settings) -> str | None:
+    return stock_te_unavailable(hf_dir, s) or fp8_unavailable(hf_dir, s)
 
 
 def stock_te_full(hf_dir: Path, s: Settings) -> Prepared:
     return prepare(hf_dir, s, stock_te_model)
+
+
+def stock_te_full_fp8(hf_dir: Path, s: Settings) -> Prepared:
+    return prepare(hf_dir, s, with_fp8(stock_te_model))
+
+
+def twinkle_lora_fp8(hf_dir: Path, s: Settings) -> Prepared:
+    return prepare(hf_dir, s, with_fp8(functools.partial(twinkle_model, lora=True)))
 
 
 def twinkle_full(hf_dir: Path, s: Settings) -> Prepared:

@@ -15,7 +15,14 @@ EXPORT_FILES = ("results.json", "results.md", "results.png", "run.log", "profile
 
 
 def row_key(r: dict) -> tuple:
-    return (r.get("shape"), r.get("variant"), r.get("seq_len"), r.get("micro_batch_size"), r.get("tag", ""))
+    return (
+        r.get("shape"),
+        r.get("variant"),
+        r.get("seq_len"),
+        r.get("micro_batch_size"),
+        r.get("tag", ""),
+        r.get("grad_accum", 1),
+    )
 
 
 def load_key(r: dict) -> tuple:
@@ -51,7 +58,7 @@ def stamp(result: dict, shape: str, variant: str, settings, tag: str | None, com
     """What a row says of itself even when its child died before reporting it, and where it came from
     (command, date, tree: merged files mix them)."""
     defaults = {"shape": shape, "variant": variant, "label": variant, "seq_len": settings.seq_len}
-    defaults |= {"micro_batch_size": settings.micro_batch_size, "tag": tag}
+    defaults |= {"micro_batch_size": settings.micro_batch_size, "tag": tag, "grad_accum": settings.grad_accum}
     for key, value in defaults.items():
         result.setdefault(key, value)
     result |= {

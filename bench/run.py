@@ -56,6 +56,15 @@ PRESETS = {
         "steps": 20,
         "seq": 4096,
     },
+    # LoRA against its peers at the real models' depth (one call per shape: --shapes qwen3-8b)
+    "peers": {
+        "shapes": ["qwen3-8b", "qwen3-1.7b", "qwen2.5-1.5b"],
+        "layers": {"qwen3-8b": 36},
+        "variants": "lora",
+        "warmup": 3,
+        "steps": 20,
+        "seq": 4096,
+    },
     # CPU test
     "tiny": {"shapes": ["tiny-qwen3"], "warmup": 1, "steps": 2, "seq": 64},
 }
@@ -80,11 +89,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--variants",
         type=_csv,
-        default=[v.name for v in VARIANTS.values() if v.default],
-        help=f"from {', '.join(VARIANTS)}",
+        default=None,
+        help=f"from {', '.join(VARIANTS)} (default: the preset's, else every default variant)",
     )
     ap.add_argument("--seq", type=int, help="sequence length (preset: 4096)")
     ap.add_argument("--mbs", type=int, default=1, help="micro-batch size (sequences per step)")
+    ap.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (gradient accumulation: global batch = mbs x this)",
+    )
+    ap.add_argument(
+        "--fp8-format", choices=["hybrid", "e4m3"], default="hybrid", help="FP8 variants: --fp8-format"
+    )
+    ap.add_argument(
+        "--fp8-recipe",
+        choices=["delayed", "tensorwise", "blockwise"],
+        default="delayed",
+        help="FP8 variants: --fp8-recipe (Transformer Engine's Hopper recipes)",
+    )
     ap.add_argument("--warmup", type=int, help="untimed iterations before timing")
     ap.add_argument("--steps", type=int, help="timed iterations")
     ap.add_argument(
@@ -180,6 +204,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.seq = args.seq or preset["seq"]
     args.warmup = preset["warmup"] if args.warmup is None else args.warmup
     args.steps = args.steps or preset["steps"]
+    if args.variants is None:
+        peers_only = preset.get("variants") == "lora"  # (c) and every LoRA peer
+        args.variants = [
+            v.name
+            for v in VARIANTS.values()
+            if (v.name == "twinkle_lora" or v.peer is not None if peers_only else v.default)
+        ]
+    args.layers = [f"{s}={n}" for s, n in preset.get("layers", {}).items()] + args.layers
     if args.load_layouts is None:
         args.load_layouts = preset.get("load_layouts", [])
     for v in args.variants:
@@ -212,6 +244,9 @@ def _settings(args, on_gpu: bool):
     return Settings(
         seq_len=args.seq,
         micro_batch_size=args.mbs,
+        grad_accum=args.grad_accum,
+        fp8_format=args.fp8_format,
+        fp8_recipe=args.fp8_recipe,
         warmup=args.warmup,
         steps=args.steps,
         dtype=args.dtype or ("bf16" if on_gpu else "fp32"),

@@ -16,6 +16,11 @@ class Settings:
 
     seq_len: int = 4096
     micro_batch_size: int = 1
+    # micro-batches per optimizer step: gradient accumulation, as pretrain_gpt.py runs a global batch
+    # of grad_accum x micro_batch_size sequences on one GPU
+    grad_accum: int = 1
+    fp8_format: str = "hybrid"  # the FP8 variants' --fp8-format (hybrid: E4M3 forward, E5M2 gradients)
+    fp8_recipe: str = "delayed"  # the FP8 variants' --fp8-recipe: delayed | tensorwise | blockwise
     warmup: int = 3
     steps: int = 10
     dtype: str = "bf16"  # bf16 | fp32
@@ -66,3 +71,29 @@ class Prepared:
     forward: Callable[[], Any] | None = None
     backward_and_update: Callable[[Any], Any] | None = None
     activation_note: str | None = None
+
+    @classmethod
+    def accumulating(
+        cls,
+        result: dict[str, Any],
+        forward: Callable[[], Any],
+        backward: Callable[[Any], None],
+        update: Callable[[], None],
+        micro_batches: int,
+    ) -> Prepared:
+        """A variant whose step runs ``micro_batches`` forwards and backwards (gradients accumulate),
+        then ``update`` (the optimizer step) once; the loss returned is the last micro-batch's."""
+
+        def backward_and_update(loss):
+            backward(loss)
+            update()
+            return loss.detach()
+
+        def step():
+            for _ in range(micro_batches - 1):
+                backward(forward())
+            return backward_and_update(forward())
+
+        passes = "forward + backward" if micro_batches == 1 else f"{micro_batches} x (forward + backward)"
+        result.setdefault("step", f"{passes} + optimizer step")
+        return cls(result, step, forward, backward_and_update)

@@ -62,7 +62,9 @@ def _base(task: Task, variant: str) -> dict[str, Any]:
         "tag": task.tag,
         "seq_len": s.seq_len,
         "micro_batch_size": s.micro_batch_size,
-        "tokens_per_step": s.seq_len * s.micro_batch_size,
+        "grad_accum": s.grad_accum,
+        "tokens_per_step": s.seq_len * s.micro_batch_size * s.grad_accum,
+        "peer": VARIANTS[variant].peer,
         "dtype": s.dtype,
         "device": torch.cuda.get_device_name() if on_gpu() else "cpu",
     }
@@ -133,7 +135,7 @@ def derived_metrics(r: dict[str, Any], hf_dir: Path, s: Settings) -> dict[str, A
     flops = step_flops(
         arch,
         seq_len=s.seq_len,
-        micro_batch_size=s.micro_batch_size,
+        micro_batch_size=s.micro_batch_size * s.grad_accum,
         mode=mode,
         lora=lora_config(s) if mode == "lora" else None,
         sequence_lengths=r.get("sequence_lengths"),
@@ -141,6 +143,9 @@ def derived_metrics(r: dict[str, Any], hf_dir: Path, s: Settings) -> dict[str, A
     median = r["step_time_s"]["median"]
     peak = peak_flops(r["device"]) if r["device"] != "cpu" else None
     achieved = flops.total / median
+    # the count published cards use: 6 x N x T for every variant (as if every weight were trained,
+    # attention left out), beside the LoRA-aware count above
+    six_n = 6.0 * flops.matmul_weights * flops.tokens / median
     return {
         "tokens_counted": report.TOKENS_COUNTED["useful" if "useful_tokens_per_step" in r else "all"],
         "tokens_per_s_per_gpu": report.counted_tokens(r) / median,
@@ -148,5 +153,7 @@ def derived_metrics(r: dict[str, Any], hf_dir: Path, s: Settings) -> dict[str, A
         "tflops_per_s_per_gpu": achieved / 1e12,
         "peak_flops_per_gpu": peak,
         "mfu": achieved / peak if peak else None,
+        "tflops_6n_per_s_per_gpu": six_n / 1e12,
+        "mfu_6n": six_n / peak if peak else None,
         "losses_finite": all(math.isfinite(x) for x in r["losses"]),
     }

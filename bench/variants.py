@@ -12,6 +12,7 @@ that patch others on import.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,23 @@ class Variant:
     # why it cannot run for this shape (hf_dir) and these settings here (-> skipped); called in the
     # process that runs the variant, so it may import its framework
     unavailable: Callable[[Path, Settings], str | None] = _always_available
+    # a LoRA peer that (c) is measured against: the framework's name (report.py takes the fastest
+    # configuration of every peer of a group as ``best_peer``); None for twinkle's and stock Megatron's
+    peer: str | None = None
+
+
+def _hf_peer(name: str, label: str, default: bool = True) -> Variant:
+    """A transformers + PEFT LoRA configuration of :data:`build_hf.TUNINGS` as a variant."""
+    tuning = build_hf.TUNINGS[name]
+    return Variant(
+        name,
+        label,
+        "lora",
+        functools.partial(build_hf.prepare, peft_lora=True, tuning=tuning),
+        default=default,
+        unavailable=functools.partial(build_hf.unavailable, tuning=tuning),
+        peer="transformers + PEFT",
+    )
 
 
 VARIANTS: dict[str, Variant] = {
@@ -68,7 +86,11 @@ VARIANTS: dict[str, Variant] = {
             build_megatron.twinkle_lora,
             interleavable=True,
         ),
-        Variant("hf_peft_lora", "(d) transformers + PEFT LoRA all-linear (sdpa)", "lora", build_hf.peft_lora),
+        _hf_peer("hf_peft_lora", "(d) transformers + PEFT LoRA all-linear (sdpa), peft defaults"),
+        _hf_peer("hf_peft_lora_autocast", "(d1) (d) under autocast bf16 (HF Trainer's bf16=True)"),
+        _hf_peer("hf_peft_lora_bf16", "(d2) (d) with bf16 adapters"),
+        _hf_peer("hf_peft_lora_liger", "(d3) (d) with bf16 adapters + Liger-Kernel"),
+        _hf_peer("hf_peft_lora_compile", "(d4) (d) with bf16 adapters + Liger fused CE + torch.compile"),
         Variant(
             "twinkle_frozen",
             "(e) twinkle_specs, all weights frozen (fwd+bwd, no optimizer; memory reference)",
@@ -87,6 +109,27 @@ VARIANTS: dict[str, Variant] = {
             default=False,
             interleavable=True,
             unavailable=build_megatron.packed_sft_unavailable,
+        ),
+        # the frozen base's GEMMs in FP8 through Transformer Engine (--fp8-format/--fp8-recipe), the
+        # adapters bf16; and stock full fine-tuning in FP8 for reference. Not in the default list: run
+        # them with --variants (they need a GPU of compute capability 8.9+).
+        Variant(
+            "twinkle_lora_fp8",
+            "(h) (c) with the frozen base's GEMMs in FP8",
+            "lora",
+            build_megatron.twinkle_lora_fp8,
+            default=False,
+            interleavable=True,
+            unavailable=build_megatron.fp8_unavailable,
+        ),
+        Variant(
+            "mcore_te_full_fp8",
+            "(i) (a) in FP8",
+            "full",
+            build_megatron.stock_te_full_fp8,
+            default=False,
+            interleavable=True,
+            unavailable=build_megatron.stock_te_fp8_unavailable,
         ),
     )
 }

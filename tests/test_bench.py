@@ -344,11 +344,13 @@ def _check_ok_result(r: dict) -> None:
     assert set(r["step_time_s"]) == SPREAD_KEYS
     t = r["step_time_s"]
     assert len(t["all"]) == 2 and t["min"] <= t["median"] <= t["max"] and t["min"] > 0
-    assert r["tokens_per_step"] == r["seq_len"] * r["micro_batch_size"]
+    assert r["tokens_per_step"] == r["seq_len"] * r["micro_batch_size"] * r["grad_accum"]
     assert r["losses_finite"] and len(r["losses"]) == 1 + 2  # warm-up + timed
     flops = r["model_flops"]
     assert math.isclose(r["tflops_per_s_per_gpu"], flops["total"] / t["median"] / 1e12)
-    assert r["mfu"] is None  # no peak for a CPU
+    six_n = 6 * flops["matmul_weights"] * flops["tokens"] / t["median"] / 1e12
+    assert math.isclose(r["tflops_6n_per_s_per_gpu"], six_n)
+    assert r["mfu"] is None and r["mfu_6n"] is None  # no peak for a CPU
     if r["variant"] == "twinkle_lora_sft":  # a packed row: tokens/s and FLOPs count its conversations only
         useful = r["useful_tokens_per_step"]
         assert 0 < r["answer_tokens_per_step"] < useful == sum(r["sequence_lengths"]) == flops["tokens"]
@@ -358,7 +360,8 @@ def _check_ok_result(r: dict) -> None:
         assert r["tokens_counted"].startswith("every position") and flops["tokens"] == r["tokens_per_step"]
         assert math.isclose(r["tokens_per_s_per_gpu"], r["tokens_per_step"] / t["median"])
     expected_mode = {"twinkle_frozen": "frozen"} | dict.fromkeys(
-        ("twinkle_lora", "hf_peft_lora", "twinkle_lora_sft"), "lora"
+        ("twinkle_lora", "hf_peft_lora", "hf_peft_lora_autocast", "hf_peft_lora_bf16", "twinkle_lora_sft"),
+        "lora",
     )
     assert flops["mode"] == expected_mode.get(r["variant"], "full")
     if flops["mode"] == "lora":
@@ -808,7 +811,7 @@ def test_report_ratios_and_targets():
         res("mcore_te_full", 100.0, 60.0, mfu=0.52),
         res("twinkle_full", 97.0, 60.0, mfu=0.49),
         res("twinkle_lora", 140.0, 21.0),
-        res("hf_peft_lora", 60.0, 30.0),
+        res("hf_peft_lora", 60.0, 30.0) | {"peer": "transformers + PEFT"},
         res("twinkle_frozen", 150.0, 20.0),
         # measured activations decide the memory target where present (peak 1.10x, activations 1.02x)
         res("twinkle_lora", 50.0, 11.0, shape="qwen3-1.7b", act=5.1),
@@ -821,7 +824,12 @@ def test_report_ratios_and_targets():
     assert row["c_over_e_peak_memory"] == pytest.approx(1.05)
     met = {c["target"]: c["met"] for c in doc["targets"]}
     assert met["c_over_a_tokens_per_s >= 1.3"] is True
-    assert met["c_over_d_tokens_per_s >= 2.0"] is True
+    # (d) at peft's defaults is reported, not a target; (c) is judged against the best peer
+    assert not any(c["target"].startswith("c_over_d") for c in doc["targets"])
+    assert row["best_peer"] == "hf_peft_lora" and row["c_over_best_peer_tokens_per_s"] == pytest.approx(
+        140 / 60
+    )
+    assert met["c_over_best_peer_tokens_per_s >= 1.3"] is True
     assert met["b_over_a_tokens_per_s >= 0.98"] is False
     # the 8B rows have no activation measurement (as under CUDA graphs): listed as not measured, not
     # judged on the peak ratio (1.05 here, which holds the adapters' optimizer state too)
@@ -849,6 +857,142 @@ def test_report_ratios_and_targets():
     )
     assert met["mcore_te_full MFU >= 0.5 (dense 8B shape)"] is True
     assert met["twinkle_full MFU >= 0.5 (dense 8B shape)"] is False
+
+
+def _row(variant: str, tokens_per_s: float, **extra) -> dict:
+    base = {"shape": "qwen3-8b-L36", "status": "ok", "seq_len": 4096, "micro_batch_size": 1, "tag": ""}
+    return base | {"variant": variant, "tokens_per_s_per_gpu": tokens_per_s, "device": "NVIDIA H100"} | extra
+
+
+def test_report_best_peer_across_frameworks():
+    """Every framework's fastest configuration is its peer, the fastest of those the group's best peer;
+    (c) over it is judged against 1.3; groups of another global batch are kept apart."""
+    hf, unsloth = {"peer": "transformers + PEFT"}, {"peer": "Unsloth"}
+    results = [
+        _row("twinkle_lora", 15000.0, mfu=0.52),
+        _row("hf_peft_lora", 7000.0, **hf),
+        _row("hf_peft_lora_liger", 9700.0, **hf),
+        _row("unsloth_lora", 11000.0, **unsloth),
+        _row("hf_peft_lora", 1.0, status="error", **hf),  # failed rows never count
+        _row("twinkle_lora", 16000.0, grad_accum=16),
+        _row("hf_peft_lora_liger", 15000.0, grad_accum=16, **hf),
+        _row(
+            "mcore_te_full",
+            5000.0,
+            grad_accum=16,
+            unfused_grad_accumulation_ms=10.0,
+            step_time_s={"median": 8.0},
+        ),
+    ]
+    doc = report.summarize({"results": results})
+    row = doc["ratios"]["qwen3-8b-L36 seq4096 mbs1"]
+    assert (row["best_peer"], row["best_peer_framework"]) == ("unsloth_lora", "Unsloth")
+    assert row["peer_tokens_per_s"] == {"transformers + PEFT": 9700.0, "Unsloth": 11000.0}
+    assert row["peer_configuration"]["transformers + PEFT"] == "hf_peft_lora_liger"
+    assert row["c_over_best_peer_tokens_per_s"] == pytest.approx(15000 / 11000)
+    accumulated = doc["ratios"]["qwen3-8b-L36 seq4096 mbs1 gbs16 (accumulating 16)"]
+    assert accumulated["c_over_best_peer_tokens_per_s"] == pytest.approx(16000 / 15000)
+    checks = {(c["group"], c["target"]): c for c in doc["targets"]}
+    assert checks["qwen3-8b-L36 seq4096 mbs1", "c_over_best_peer_tokens_per_s >= 1.3"]["met"] is True
+    accumulated_name = "qwen3-8b-L36 seq4096 mbs1 gbs16 (accumulating 16)"
+    assert checks[accumulated_name, "c_over_best_peer_tokens_per_s >= 1.3"]["met"] is False
+    # the full-depth 8B targets: 15,000 tokens/s and 52 % MFU miss 16,000 and 55 %
+    tokens = checks["qwen3-8b-L36 seq4096 mbs1", "twinkle_lora tokens/s >= 16,000 (Qwen3-8B, all 36 layers)"]
+    assert tokens["value"] == 15000.0 and tokens["met"] is False
+    mfu = checks["qwen3-8b-L36 seq4096 mbs1", "twinkle_lora LoRA-aware MFU >= 0.55 (Qwen3-8B, all 36 layers)"]
+    assert mfu["met"] is False
+    assert not any(
+        g == accumulated_name and "36 layers" in t for g, t in checks
+    )  # one step per 4096 tokens only
+    lines = report.peer_lines(doc["ratios"])
+    assert any("best peer `unsloth_lora` (Unsloth); (c) / best peer 1.364" in line for line in lines)
+    # the unfused accumulation's measured cost beside the accumulating row: 16 x 10 ms of an 8 s step
+    (line,) = [x for x in report.accumulation_lines(results) if x.startswith("- ")]
+    assert line.endswith("mcore_te_full: 10.00 ms per micro-batch, 2.0% of its step"), line
+
+
+def test_report_never_judges_noise_or_cpu():
+    """A target whose run-to-run spread (interleaved rounds, repeat pairs) straddles the bound is left
+    undecided with the spread named; a spread wholly above or below decides; a CPU run decides nothing."""
+    both = ["twinkle_lora", "twinkle_lora_fp8"]
+    lora = _row("twinkle_lora", 10000.0, interleaved_with=both, step_time_s={"all": [1.0] * 5})
+    fp8 = _row("twinkle_lora_fp8", 13100.0, interleaved_with=both)
+    name = "fp8_lora_over_lora_tokens_per_s >= 1.3"
+    for steps, met, note in (
+        ([0.80, 0.75, 0.78, 0.70, 0.79], None, "within run-to-run noise"),  # rounds 1.25-1.43 around 1.3
+        ([0.70, 0.72, 0.71, 0.74, 0.73], True, None),  # every round above 1.3
+        ([0.90, 0.85, 0.88, 0.86, 0.83], False, None),
+    ):
+        doc = report.summarize({"results": [lora, fp8 | {"step_time_s": {"all": steps}}]})
+        (check,) = [c for c in doc["targets"] if c["target"] == name]
+        assert check["value"] == pytest.approx(1.31) and check["met"] is met, check
+        assert (note is None) == ("note" not in check) and (note or "") in check.get("note", "")
+    noisy = fp8 | {"step_time_s": {"all": [0.80, 0.75, 0.78, 0.70, 0.79]}}
+    lines = report.target_lines(report.summarize({"results": [lora, noisy]})["targets"])
+    assert any(name in line and "| within run-to-run noise (1.256–1.390) |" in line for line in lines)
+    on_cpu = [r | {"device": "cpu"} for r in (lora, fp8)]
+    (check,) = [c for c in report.summarize({"results": on_cpu})["targets"] if c["target"] == name]
+    assert check["met"] is None and check["note"] == "CPU run: not a performance result"
+
+
+def test_accumulating_step_runs_every_micro_batch():
+    """``Prepared.accumulating``: a step is ``micro_batches`` forwards and backwards, one update, and the
+    last micro-batch's loss; the activation measurement's halves stay one forward and one update."""
+    from bench.settings import Prepared
+
+    calls: list[str] = []
+    losses = iter(torch.arange(10.0))
+
+    def forward():
+        calls.append("f")
+        return next(losses)
+
+    prepared = Prepared.accumulating(
+        {}, forward, lambda loss: calls.append("b"), lambda: calls.append("u"), micro_batches=3
+    )
+    assert prepared.step() == 2.0 and calls == ["f", "b", "f", "b", "f", "b", "u"]
+    assert prepared.result["step"] == "3 x (forward + backward) + optimizer step"
+    calls.clear()
+    assert prepared.backward_and_update(prepared.forward()) == 3.0 and calls == ["f", "b", "u"]
+    one = Prepared.accumulating({}, forward, lambda loss: None, lambda: None, micro_batches=1)
+    assert one.result["step"] == "forward + backward + optimizer step"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU proof; the GPU run measures the peers")
+def test_cpu_peers_and_gradient_accumulation(tmp_path):
+    """The transformers + PEFT configurations and (c) at a global batch of 2 micro-batches: every token
+    of both counted, the peers named, the GPU-only ones (Liger, FP8) skipped with the reason."""
+    variants = "twinkle_lora,hf_peft_lora_autocast,hf_peft_lora_bf16,hf_peft_lora_liger,twinkle_lora_fp8"
+    argv = ["--preset", "tiny", "--in-process", "--no-load", "--out", str(tmp_path / "o")]
+    argv += ["--work", str(tmp_path / "w"), "--variants", variants, "--grad-accum", "2", "--no-telemetry"]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "o" / "results.json").read_text())
+    by_variant = {r["variant"]: r for r in doc["results"]}
+    for name in ("twinkle_lora", "hf_peft_lora_autocast", "hf_peft_lora_bf16"):
+        r = by_variant[name]
+        assert r["status"] == "ok", r.get("traceback") or r
+        _check_ok_result(r)
+        assert r["grad_accum"] == 2 and r["tokens_per_step"] == 2 * 64 == r["model_flops"]["tokens"]
+        assert r["step"] == "2 x (forward + backward) + optimizer step"
+    assert by_variant["hf_peft_lora_autocast"]["tuning"] == "autocast bf16"
+    assert by_variant["hf_peft_lora_bf16"]["tuning"] == "bf16 adapters"
+    assert (
+        by_variant["hf_peft_lora_bf16"]["peer"] == "transformers + PEFT"
+        and by_variant["twinkle_lora"]["peer"] is None
+    )
+    assert "CUDA GPU" in by_variant["hf_peft_lora_liger"]["reason"]
+    assert "compute capability 8.9" in by_variant["twinkle_lora_fp8"]["reason"]
+    row = doc["ratios"]["tiny-qwen3 seq64 mbs1 gbs2 (accumulating 2)"]
+    fastest = max(
+        ("hf_peft_lora_autocast", "hf_peft_lora_bf16"), key=lambda v: by_variant[v]["tokens_per_s_per_gpu"]
+    )
+    assert row["best_peer"] == fastest
+    c, best = by_variant["twinkle_lora"], by_variant[fastest]
+    assert row["c_over_best_peer_tokens_per_s"] == pytest.approx(
+        c["tokens_per_s_per_gpu"] / best["tokens_per_s_per_gpu"]
+    )
+    (check,) = [x for x in doc["targets"] if x["target"].startswith("c_over_best_peer")]
+    assert check["met"] is None and check["note"] == "CPU run: not a performance result"
 
 
 def test_report_pairs_interleaved_repeats():
