@@ -379,3 +379,39 @@ def test_same_value_compares_numbers_as_numbers():
     assert not same_value("1e-5", 1e-6) and not same_value(["4"], ["4", "4"])
     assert not same_value(True, 1) and not same_value(False, "0") and same_value(None, None)
     assert same_value("rope", "rope") and not same_value("rope", "yarn") and not same_value(None, 0)
+
+
+def test_batch_dump_starts_at_a_later_micro_batch(tmp_path, monkeypatch):
+    """$TWINKLE_DUMP_BATCHES_FROM skips that many training micro-batches before dumping COUNT of them (the
+    batches an export made at a later iteration is checked on); evaluation forwards are never dumped."""
+    from megatron.core import parallel_state as ps
+
+    from twinkle_specs import launch
+
+    for rank in (
+        "get_tensor_model_parallel_rank",
+        "get_data_parallel_rank",
+        "get_pipeline_model_parallel_rank",
+    ):
+        monkeypatch.setattr(ps, rank, lambda: 0)
+    monkeypatch.setenv("TWINKLE_DUMP_BATCHES", str(tmp_path))
+    monkeypatch.setenv("TWINKLE_DUMP_BATCHES_FROM", "3")
+    monkeypatch.setenv("TWINKLE_DUMP_BATCHES_COUNT", "2")
+
+    class Stage(torch.nn.Module):
+        pre_process = post_process = True
+
+        def forward(self, input_ids, labels=None):
+            return input_ids
+
+    model = Stage()
+    launch._maybe_dump_batches(model)
+    model.eval()
+    model(torch.full((1, 4), -1), labels=torch.full((1, 4), -1))  # not training: neither counted nor saved
+    model.train()
+    for i in range(7):
+        model(torch.full((1, 4), i), labels=torch.full((1, 4), i + 100))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dp0-mb3-pp0.pt", "dp0-mb4-pp0.pt"]
+    for n in (3, 4):
+        saved = torch.load(tmp_path / f"dp0-mb{n}-pp0.pt")
+        assert saved["tokens"].unique().tolist() == [n] and saved["labels"].unique().tolist() == [n + 100]

@@ -30,7 +30,7 @@ from gpu_checks import (
 )
 from test_lora_support import CountingKernel
 
-from twinkle_specs.lora import qk_rope
+from twinkle_specs.lora import qk_rope, swiglu
 
 pytestmark = [
     pytest.mark.gpu,
@@ -387,3 +387,72 @@ def test_te_tp2_sequence_parallel_matches_peft(lora_checkpoints, tmp_path):
     worst = max((grads[k].float() - ref_grads[k]).abs().max().item() for k in ref_grads)
     EVIDENCE.record("tp2-sp-grads", max_abs_over_largest=worst / scale)
     assert worst <= GRAD_REL * scale, f"max |Δgrad| {worst} vs largest {scale}"
+
+
+# FP8 (E4M3 forward, E5M2 gradients) against bf16 on the same weights: the loss within 2 %, the adapter
+# gradients' direction kept (cosine over all factors)
+FP8_LOSS_RTOL, FP8_GRAD_MIN_COSINE = 2e-2, 0.99
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_te_fp8_lora_keeps_its_fused_paths(kind, lora_checkpoints, gpu, monkeypatch):
+    """LoRA under Megatron's FP8 (``fp8="hybrid"``, delayed scaling: what ``--fp8-format hybrid
+    --fp8-recipe delayed`` sets): the frozen base's TE GEMMs take FP8 operands, the adapters stay bf16, and
+    the fused LoRA paths run as in bf16 (the q/k norm + RoPE kernel launched, the SwiGLU kernels on). The
+    routed experts' frozen base steps aside by its stated rule (torch's grouped GEMM takes no FP8 operands:
+    TE's FP8 GroupedLinear runs it, megatron padding each expert's tokens for FP8). Loss and adapter
+    gradients against the bf16 run of the same weights."""
+    import dataclasses
+
+    from megatron.core.transformer import TransformerConfig
+    from test_lora_support import randomize_megatron, tokens
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+    import twinkle_specs as ts
+    from twinkle_specs import LoraConfig
+    from twinkle_specs.lora import adapter_parameters, te_layers
+
+    ok, why = FP8GlobalStateManager.is_fp8_available()
+    if not ok:
+        pytest.skip(f"no FP8 on this GPU: {why}")
+    moe = kind == "qwen3_moe"
+    fused = {"bias_activation_fusion": True, "apply_rope_fusion": True} | (
+        {"moe_grouped_gemm": True} if moe else {}
+    )
+    # megatron pads each expert's routed tokens to FP8's GEMM alignment (the field's name by version)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    pad = next(
+        f for f in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8") if f in fields
+    )
+    fp8 = {"fp8": "hybrid", "fp8_recipe": "delayed"} | ({pad: True} if moe else {})
+
+    def run(**overrides) -> tuple:
+        model = ts.build_model(
+            lora_checkpoints(kind),
+            lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+            params_dtype=torch.bfloat16,
+            bf16=True,
+            **fused,
+            **overrides,
+        )
+        randomize_megatron(model)
+        toks = tokens(s=64).cuda()
+        loss = _next_token_loss(model, toks, torch.arange(64, device="cuda").expand_as(toks))
+        loss.backward()
+        grads = torch.cat([p.grad.float().flatten() for p in adapter_parameters(model)])
+        return model, loss.item(), grads
+
+    _, bf16_loss, bf16_grads = run()
+    fused_rope = CountingKernel(qk_rope._qk_rope_fwd_kernel)
+    fused_swiglu = CountingKernel(swiglu._fwd_kernel)
+    monkeypatch.setattr(qk_rope, "_qk_rope_fwd_kernel", fused_rope)
+    monkeypatch.setattr(swiglu, "_fwd_kernel", fused_swiglu)
+    model, fp8_loss, fp8_grads = run(**fp8)
+    assert model.config.fp8 == "hybrid" and fused_rope.launches > 0
+    assert moe or fused_swiglu.launches > 0, "the SwiGLU LoRA kernel did not run under FP8"
+    grouped = [m for m in model.modules() if isinstance(m, te_layers._LoraTEGroupedLinear)]
+    assert not any(hasattr(m, "_lora_stacked") for m in grouped), "torch's grouped GEMM ran an FP8 base"
+    cosine = _cosine(fp8_grads, bf16_grads)
+    EVIDENCE.record(f"fp8_vs_bf16_{kind}", fp8_loss=fp8_loss, bf16_loss=bf16_loss, grad_cosine=cosine)
+    assert abs(fp8_loss - bf16_loss) <= FP8_LOSS_RTOL * bf16_loss, (fp8_loss, bf16_loss)
+    assert cosine >= FP8_GRAD_MIN_COSINE, cosine

@@ -406,8 +406,9 @@ def _set_megatron_padded_vocab(rows: int) -> None:
 
 def _maybe_dump_batches(model) -> None:
     """With $TWINKLE_DUMP_BATCHES set to a directory, saves the tokens and labels (and, where given, the
-    loss mask and packed-sequence bounds) of the first training micro-batches this stage sees, so the
-    iteration-1 loss can be checked against transformers.
+    loss mask and packed-sequence bounds) of the first training micro-batches this stage sees
+    ($TWINKLE_DUMP_BATCHES_COUNT of them, from micro-batch $TWINKLE_DUMP_BATCHES_FROM on), so the
+    iteration-1 loss, or a later iteration's after an export, can be checked against transformers.
 
     Under pipeline parallelism Megatron-LM core_v0.19 gives the first stage no labels and the last stage
     no tokens, so each stage saves what it has; files of one data-parallel rank and micro-batch share
@@ -418,10 +419,14 @@ def _maybe_dump_batches(model) -> None:
     if not out or not (model.pre_process or model.post_process) or ps.get_tensor_model_parallel_rank() != 0:
         return
     count = {"n": 0}
-    limit = int(os.environ.get("TWINKLE_DUMP_BATCHES_COUNT", "8"))
+    start = int(os.environ.get("TWINKLE_DUMP_BATCHES_FROM", "0"))
+    limit = start + int(os.environ.get("TWINKLE_DUMP_BATCHES_COUNT", "8"))
 
     def hook(_module, args, kwargs):
         if count["n"] >= limit or not _module.training:
+            return
+        if count["n"] < start:
+            count["n"] += 1
             return
         tokens = kwargs.get("input_ids", args[0] if args else None) if model.pre_process else None
         labels = kwargs.get("labels") if model.post_process else None

@@ -1,0 +1,173 @@
+"""LoRA on an FP8 base through stock pretrain_gpt.py (twinkle_specs.launch): Megatron-LM's --fp8-format and
+--fp8-recipe run the frozen base's GEMMs in FP8 through Transformer Engine, the adapters stay bf16. Over 300
+iterations of a Qwen3-1.7B-shaped model on real text the loss follows bf16 LoRA's within 1 % at every step
+after warm-up, and the exported PEFT adapter (the same format as a bf16 run's) reproduces Megatron's loss in
+transformers + peft.
+
+Needs $MEGATRON_LM_ROOT, a CUDA GPU of compute capability 8.9+ with Transformer Engine. Logs and the
+measured curves go to $TWINKLE_EVIDENCE_DIR when set.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gpu_checks import Evidence
+from test_launch_gpu import ROOT, hf_loss, pretrain
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+FP8_RTOL = (
+    0.01  # FP8 LoRA's loss vs bf16 LoRA's at every logged step after warm-up; the export's vs Megatron's
+)
+ITERS, WARMUP_ITERS = 300, 20
+SEQ, MICRO_BATCH, GLOBAL_BATCH = 1024, 2, 8
+EVIDENCE = Evidence("fp8-summary.json")
+
+
+def _fp8_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    except ImportError:
+        return False
+    return FP8GlobalStateManager.is_fp8_available()[0]
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not _fp8_available(), reason="needs a CUDA GPU with FP8 (compute capability 8.9+) and TE"
+    ),
+    pytest.mark.skipif(not ROOT, reason="needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT"),
+]
+
+
+def python_docs() -> list[str]:
+    """Real English text every CPython ships: the documentation topics behind ``help()``
+    (pydoc_data.topics, ~465 KB), one document per paragraph of more than a few words."""
+    from pydoc_data.topics import topics
+
+    return [p.strip() for text in topics.values() for p in text.split("\n\n") if len(p.split()) > 8]
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """A Qwen3-1.7B-shaped checkpoint (random weights, transformers' init) with a byte-level BPE tokenizer
+    trained on the Python docs, and those docs as a Megatron indexed dataset."""
+    import subprocess
+
+    import transformer_engine  # noqa: F401  (before CUDA is initialised: see test_launch_gpu's e2e)
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from bench.shapes import (
+        hf_config,
+    )  # the benchmark's Qwen3-1.7B shape (the repository root is on the path)
+
+    root = tmp_path_factory.mktemp("fp8")
+    docs = python_docs()
+    corpus = root / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(docs, vocab_size=8192, special_tokens=["<|endoftext|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
+    config = hf_config("qwen3-1.7b")
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    config.vocab_size, config.bos_token_id, config.eos_token_id, config.pad_token_id = 8192, eos, eos, None
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    hf = root / "qwen3-1.7b-shape"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    del model
+    torch.cuda.empty_cache()
+    prefix = root / "docs"
+    subprocess.run(
+        [sys.executable, str(Path(ROOT) / "tools" / "preprocess_data.py"), "--input", str(corpus)]
+        + ["--output-prefix", str(prefix), "--tokenizer-type", "HuggingFaceTokenizer"]
+        + ["--tokenizer-model", str(hf), "--append-eod", "--workers", "1"],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    return {"root": root, "hf": hf, "data": f"{prefix}_text_document"}
+
+
+def lora_run(text_run: dict, name: str, *extra: str) -> tuple[dict[int, float], Path, Path]:
+    """ITERS + 1 iterations of LoRA r16 on all linears; saved and exported at ITERS, iteration ITERS + 1's
+    micro-batches dumped. Returns the losses, the export and the dump folder."""
+    out = text_run["root"] / name
+    losses, dump, _ = pretrain(
+        text_run["hf"],
+        out,
+        "--data-path",
+        text_run["data"],
+        "--split",
+        "100,0,0",
+        "--lora-rank",
+        "16",
+        "--lora-alpha",
+        "32",
+        "--seq-length",
+        str(SEQ),
+        "--micro-batch-size",
+        str(MICRO_BATCH),
+        "--global-batch-size",
+        str(GLOBAL_BATCH),
+        "--lr",
+        "5e-4",
+        "--save",
+        str(out / "ck"),
+        "--save-interval",
+        str(ITERS),
+        "--hf-export",
+        str(out / "export"),
+        "--hf-export-on-save",
+        *extra,
+        iters=ITERS + 1,
+        dump_count=GLOBAL_BATCH // MICRO_BATCH,
+        TWINKLE_DUMP_BATCHES_FROM=str(ITERS * GLOBAL_BATCH // MICRO_BATCH),
+    )
+    assert sorted(losses) == list(range(1, ITERS + 2)), sorted(losses)[-3:]
+    return losses, out / "export" / f"iter_{ITERS:07d}", dump
+
+
+def test_fp8_lora_converges_like_bf16_and_exports_the_same_adapter(text_run):
+    from safetensors import safe_open
+
+    bf16, bf16_export, _ = lora_run(text_run, "bf16")
+    fp8, fp8_export, dump = lora_run(text_run, "fp8", "--fp8-format", "hybrid", "--fp8-recipe", "delayed")
+    rel = {i: abs(fp8[i] - bf16[i]) / bf16[i] for i in range(WARMUP_ITERS + 1, ITERS + 1)}
+    worst = max(rel, key=rel.get)
+    exported = hf_loss(text_run["hf"], dump, adapter=fp8_export)
+
+    def tensors(adapter: Path) -> dict[str, tuple]:
+        with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+            return {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()}
+
+    EVIDENCE.record(
+        "fp8-lora-qwen3-1.7b-shape",
+        iterations=ITERS,
+        bf16={i: bf16[i] for i in (1, WARMUP_ITERS, 100, 200, ITERS)},
+        fp8={i: fp8[i] for i in (1, WARMUP_ITERS, 100, 200, ITERS)},
+        max_rel_after_warmup=rel[worst],
+        worst_iteration=worst,
+        megatron_fp8_iter301=fp8[ITERS + 1],
+        peft_export_iter301=exported,
+    )
+    assert bf16[ITERS] < 0.8 * bf16[1], (bf16[1], bf16[ITERS])  # it trained
+    assert rel[worst] <= FP8_RTOL, (worst, fp8[worst], bf16[worst])
+    assert abs(exported - fp8[ITERS + 1]) <= FP8_RTOL * fp8[ITERS + 1], (exported, fp8[ITERS + 1])
+    # the FP8 run's adapter is a bf16 run's: the same tensors, shapes and dtypes, the same PEFT config
+    assert tensors(fp8_export) == tensors(bf16_export)
+    config = json.loads((fp8_export / "adapter_config.json").read_text())
+    assert config == json.loads((bf16_export / "adapter_config.json").read_text())
