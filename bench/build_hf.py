@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from . import peer_kits
 from .device import device, on_gpu
 from .settings import Prepared, Settings, count_params
 from .timing import CLOCK
@@ -145,6 +146,7 @@ def _apply_liger(model, only_ce: bool) -> str:
     cross-entropy alone. Returns what was applied."""
     from importlib.metadata import version
 
+    peer_kits.activate("liger")
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
     kernels = {"fused_linear_cross_entropy": True}
@@ -169,8 +171,10 @@ def unavailable(hf_dir: Path, s: Settings, tuning: Tuning) -> str | None:
     liger-kernel package; torch.compile is timed on a GPU only (inductor's CPU code is another program)."""
     if (tuning.liger or tuning.liger_only_ce) and not on_gpu():
         return "Liger-Kernel's Triton kernels need a CUDA GPU"
-    if (tuning.liger or tuning.liger_only_ce) and importlib.util.find_spec("liger_kernel") is None:
-        return "liger-kernel is not installed (pip install liger-kernel; the device kit carries its wheel)"
+    if (tuning.liger or tuning.liger_only_ce) and (
+        peer_kits.activate("liger") is None and importlib.util.find_spec("liger_kernel") is None
+    ):
+        return f"liger-kernel is not installed (pip install liger-kernel; on the device: {peer_kits.STAGE})"
     if tuning.compile and not on_gpu():
         return "torch.compile is timed on a GPU only (inductor's CPU code is not the program measured)"
     return None

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import build_hf, build_megatron
+from . import build_hf, build_mcore_bridge, build_megatron, build_megatron_bridge, build_unsloth
 from .settings import Prepared, Settings
 
 
@@ -91,6 +91,44 @@ VARIANTS: dict[str, Variant] = {
         _hf_peer("hf_peft_lora_bf16", "(d2) (d) with bf16 adapters"),
         _hf_peer("hf_peft_lora_liger", "(d3) (d) with bf16 adapters + Liger-Kernel"),
         _hf_peer("hf_peft_lora_compile", "(d4) (d) with bf16 adapters + Liger fused CE + torch.compile"),
+        # its own child process only (Unsloth patches transformers, peft and trl on import); wheels:
+        # bench/stage_peers.sh
+        Variant(
+            "unsloth_lora",
+            "(j) Unsloth LoRA all-linear, bf16 base, its fused kernels",
+            "lora",
+            build_unsloth.lora,
+            unavailable=build_unsloth.unavailable,
+            peer="Unsloth",
+        ),
+        # ModelScope's Megatron LoRA (ms-swift 4 on mcore-bridge): the model and adapters theirs, DDP,
+        # optimizer and step the harness's; own process only (mcore-bridge patches megatron-core and peft)
+        Variant(
+            "mcore_bridge_lora",
+            "(k) ModelScope ms-swift / mcore-bridge LoRA all-linear",
+            "lora",
+            build_mcore_bridge.lora,
+            unavailable=build_mcore_bridge.unavailable,
+            peer="ms-swift + mcore-bridge",
+        ),
+        # NVIDIA's Megatron-LM LoRA (Megatron-Bridge 0.6, megatron-core 0.19 only): its fastest LoRA (TE
+        # op-fuser graphs) and its recipes' default; own process only (its import changes global state)
+        Variant(
+            "megatron_bridge_lora",
+            "(l) NVIDIA Megatron-Bridge LoRA all-linear (TEFusedLoRALinear)",
+            "lora",
+            build_megatron_bridge.lora,
+            unavailable=build_megatron_bridge.unavailable,
+            peer="Megatron-Bridge",
+        ),
+        Variant(
+            "megatron_bridge_lora_linear",
+            "(l1) Megatron-Bridge LoRA all-linear, its recipes' default (LoRALinear)",
+            "lora",
+            build_megatron_bridge.lora_linear,
+            unavailable=build_megatron_bridge.unavailable,
+            peer="Megatron-Bridge",
+        ),
         Variant(
             "twinkle_frozen",
             "(e) twinkle_specs, all weights frozen (fwd+bwd, no optimizer; memory reference)",

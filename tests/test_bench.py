@@ -935,6 +935,28 @@ def test_report_never_judges_noise_or_cpu():
     assert check["met"] is None and check["note"] == "CPU run: not a performance result"
 
 
+def test_peers_preset_and_peer_kits(tmp_path, monkeypatch):
+    """``--preset peers``: (c) and every LoRA peer, Qwen3-8B at its 36 layers (a later --layers wins); a
+    peer's kit folder goes first on sys.path only when installed."""
+    from bench import peer_kits
+    from bench.run import parse_args
+    from bench.variants import VARIANTS
+
+    args = parse_args(["--preset", "peers"])
+    assert args.variants == ["twinkle_lora"] + [v.name for v in VARIANTS.values() if v.peer]
+    assert {"hf_peft_lora_liger", "unsloth_lora", "mcore_bridge_lora", "megatron_bridge_lora"} <= set(
+        args.variants
+    )
+    assert args.layers == ["qwen3-8b=36"] and args.shapes[0] == "qwen3-8b"
+    assert parse_args(["--preset", "peers", "--layers", "qwen3-8b=12"]).layers[-1] == "qwen3-8b=12"
+    assert "hf_peft_lora_compile" in parse_args([]).variants  # the tunings are in the default list too
+    monkeypatch.setenv("BENCH_PEER_KITS", str(tmp_path))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert peer_kits.activate("unsloth") is None and str(tmp_path / "unsloth") not in sys.path
+    (tmp_path / "unsloth").mkdir()
+    assert peer_kits.activate("unsloth") == tmp_path / "unsloth" and sys.path[0] == str(tmp_path / "unsloth")
+
+
 def test_accumulating_step_runs_every_micro_batch():
     """``Prepared.accumulating``: a step is ``micro_batches`` forwards and backwards, one update, and the
     last micro-batch's loss; the activation measurement's halves stay one forward and one update."""
@@ -962,7 +984,8 @@ def test_accumulating_step_runs_every_micro_batch():
 def test_cpu_peers_and_gradient_accumulation(tmp_path):
     """The transformers + PEFT configurations and (c) at a global batch of 2 micro-batches: every token
     of both counted, the peers named, the GPU-only ones (Liger, FP8) skipped with the reason."""
-    variants = "twinkle_lora,hf_peft_lora_autocast,hf_peft_lora_bf16,hf_peft_lora_liger,twinkle_lora_fp8"
+    variants = "twinkle_lora,hf_peft_lora_autocast,hf_peft_lora_bf16,hf_peft_lora_liger,twinkle_lora_fp8,"
+    variants += "unsloth_lora,mcore_bridge_lora,megatron_bridge_lora"
     argv = ["--preset", "tiny", "--in-process", "--no-load", "--out", str(tmp_path / "o")]
     argv += ["--work", str(tmp_path / "w"), "--variants", variants, "--grad-accum", "2", "--no-telemetry"]
     assert main(argv) == 0
@@ -982,6 +1005,9 @@ def test_cpu_peers_and_gradient_accumulation(tmp_path):
     )
     assert "CUDA GPU" in by_variant["hf_peft_lora_liger"]["reason"]
     assert "compute capability 8.9" in by_variant["twinkle_lora_fp8"]["reason"]
+    for peer in ("unsloth_lora", "mcore_bridge_lora", "megatron_bridge_lora"):  # GPU peers: skipped, said why
+        assert by_variant[peer]["status"] == "skipped" and "CUDA GPU" in by_variant[peer]["reason"], peer
+        assert by_variant[peer]["peer"]
     row = doc["ratios"]["tiny-qwen3 seq64 mbs1 gbs2 (accumulating 2)"]
     fastest = max(
         ("hf_peft_lora_autocast", "hf_peft_lora_bf16"), key=lambda v: by_variant[v]["tokens_per_s_per_gpu"]
