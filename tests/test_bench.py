@@ -1192,3 +1192,40 @@ def test_parent_process_stays_light():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_slim_wheel_drops_files_and_relabels(tmp_path):
+    """bench/slim_wheel.py (the peers' bitsandbytes): the named files gone, every other byte kept, the
+    version relabelled in the file name, METADATA, the .dist-info folder and a RECORD that matches."""
+    import base64
+    import hashlib
+    import zipfile
+
+    from bench.slim_wheel import slim
+
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    files = {
+        "pkg/__init__.py": b"x = 1\n",
+        "pkg/lib_cuda118.so": b"\x00" * 64,
+        "pkg/lib_cuda130.so": b"\x01" * 64,
+        "pkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: pkg\nVersion: 1.0\n",
+        "pkg-1.0.dist-info/RECORD": b"stale\n",
+    }
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    out = slim(wheel, "cu130.slim", ["pkg/lib_cuda1[0-2]*.so"])
+    assert out.name == "pkg-1.0+cu130.slim-py3-none-any.whl"
+    with zipfile.ZipFile(out) as z:
+        names = set(z.namelist())
+        assert (
+            "pkg/lib_cuda118.so" not in names and z.read("pkg/lib_cuda130.so") == files["pkg/lib_cuda130.so"]
+        )
+        assert b"\nVersion: 1.0+cu130.slim\n" in z.read("pkg-1.0+cu130.slim.dist-info/METADATA")
+        record = z.read("pkg-1.0+cu130.slim.dist-info/RECORD").decode().splitlines()
+        for line in record[:-1]:
+            path, digest, size = line.split(",")
+            data = z.read(path)
+            expected = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            assert digest == f"sha256={expected}" and int(size) == len(data), path
+        assert {line.split(",")[0] for line in record} == names
