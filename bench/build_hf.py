@@ -86,13 +86,23 @@ def prepare(hf_dir: Path, s: Settings, peft_lora: bool = False, tuning: Tuning =
             layer.compile()
         result["compiled"] = f"{len(layers)} decoder layers (torch.compile, default mode)"
     model.train()
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if tuning.autocast else contextlib.nullcontext()
+    return causal_lm_step(result, model, config.vocab_size, s, autocast)
+
+
+def causal_lm_step(
+    result: dict[str, Any], model, vocab_size: int, s: Settings, autocast: Any = None
+) -> Prepared:
+    """The training step of a transformers causal LM (the (d) configurations, Unsloth): the model's own loss
+    on seeded random tokens (labels = inputs), a backward per micro-batch, then gradient clipping at 1.0
+    and torch AdamW (fused on a GPU) on the trainable parameters; the forward under ``autocast`` if given."""
+    autocast = autocast or contextlib.nullcontext()
     result["total_params"], result["trainable_params"] = count_params(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=on_gpu())
     result["optimizer"] = "torch.optim.AdamW" + (" (fused)" if on_gpu() else "")
     gen = torch.Generator().manual_seed(s.seed)
-    tokens = torch.randint(0, config.vocab_size, (s.micro_batch_size, s.seq_len), generator=gen).to(dev)
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if tuning.autocast else contextlib.nullcontext()
+    tokens = torch.randint(0, vocab_size, (s.micro_batch_size, s.seq_len), generator=gen).to(device())
 
     def forward():
         with CLOCK.phase("forward"), autocast:

@@ -46,8 +46,8 @@ from typing import Any
 import torch
 
 from . import peer_kits
-from .settings import Prepared, Settings, count_params
-from .timing import CLOCK
+from .build_hf import causal_lm_step
+from .settings import Prepared, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 KIT = peer_kits.STAGE
@@ -246,26 +246,5 @@ def lora(hf_dir: Path, s: Settings) -> Prepared:
         result["checkpoint"] = "written by this variant (the run had written none)"
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad})
     result["adapter_dtypes"] = dtypes
-    result["total_params"], result["trainable_params"] = count_params(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
-    result["optimizer"] = "torch.optim.AdamW (fused)"
     vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
-    gen = torch.Generator().manual_seed(s.seed)
-    tokens = torch.randint(0, vocab, (s.micro_batch_size, s.seq_len), generator=gen).to(dev)
-
-    def forward():
-        with CLOCK.phase("forward"):
-            return model(input_ids=tokens, labels=tokens).loss
-
-    def backward(loss):
-        with CLOCK.phase("backward"):
-            (loss / s.grad_accum).backward()
-
-    def update():
-        with CLOCK.phase("optimizer"):
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    return Prepared.accumulating(result, forward, backward, update, s.grad_accum)
+    return causal_lm_step(result, model, vocab, s)
