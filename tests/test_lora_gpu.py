@@ -456,3 +456,68 @@ def test_te_fp8_lora_keeps_its_fused_paths(kind, lora_checkpoints, gpu, monkeypa
     EVIDENCE.record(f"fp8_vs_bf16_{kind}", fp8_loss=fp8_loss, bf16_loss=bf16_loss, grad_cosine=cosine)
     assert abs(fp8_loss - bf16_loss) <= FP8_LOSS_RTOL * bf16_loss, (fp8_loss, bf16_loss)
     assert cosine >= FP8_GRAD_MIN_COSINE, cosine
+
+
+def test_te_fp8_frozen_base_is_quantized_once(lora_checkpoints, gpu, monkeypatch):
+    """Under FP8 the frozen base's weights are quantized by the first iteration's forward and TE's FP8
+    copies are reused by every later iteration (te_layers.FrozenFp8WeightCache), where megatron would have
+    TE quantize every weight again at each iteration's start. The losses of 4 adapter-training iterations
+    equal those of the run that requantizes (megatron's default amax settings: a frozen weight's scale
+    does not move, so its FP8 copy is the same; 1e-3 relative for the kernels' nondeterminism)."""
+    from test_lora_support import randomize_megatron, tokens
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    import twinkle_specs as ts
+    from twinkle_specs import LoraConfig
+    from twinkle_specs.lora import adapter_parameters, te_layers
+
+    ok, why = FP8GlobalStateManager.is_fp8_available()
+    if not ok:
+        pytest.skip(f"no FP8 on this GPU: {why}")
+    quantized: list[str] = []
+    original = TransformerEngineBaseModule.get_weight_workspace
+
+    def counted(self, *args, **kwargs):
+        if kwargs.get("update_workspace", True) and isinstance(self, te_layers.FrozenFp8WeightCache):
+            quantized.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerEngineBaseModule, "get_weight_workspace", counted)
+
+    def train(iterations: int = 4) -> tuple[list[float], list[int]]:
+        model = ts.build_model(
+            lora_checkpoints("qwen3"),
+            lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+            params_dtype=torch.bfloat16,
+            bf16=True,
+            fp8="hybrid",
+            fp8_recipe="delayed",
+        )
+        randomize_megatron(model)
+        opt = torch.optim.SGD(adapter_parameters(model), lr=0.1)
+        toks = tokens(s=64).cuda()
+        pos = torch.arange(64, device="cuda").expand_as(toks)
+        losses, counts = [], []
+        for _ in range(iterations):
+            quantized.clear()
+            model.set_is_first_microbatch()  # megatron's schedule, at each iteration's first micro-batch
+            loss = _next_token_loss(model, toks, pos)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            counts.append(len(quantized))
+        return losses, counts
+
+    cached, cached_counts = train()
+    monkeypatch.setattr(te_layers.FrozenFp8WeightCache, "_lora_base_stamp", lambda self: None)
+    requantized, requantized_counts = train()
+    EVIDENCE.record(
+        "fp8_frozen_base_cache", cached=cached, requantized=requantized, quantizations=cached_counts
+    )
+    assert cached_counts[0] > 0 and cached_counts[1:] == [0] * 3, cached_counts
+    assert requantized_counts == [cached_counts[0]] * 4, requantized_counts
+    assert cached[-1] < cached[0], cached  # the adapters trained
+    for a, b in zip(cached, requantized, strict=True):
+        assert abs(a - b) <= 1e-3 * abs(b), (cached, requantized)

@@ -310,3 +310,48 @@ def test_grouped_experts_per_expert_adapters(te, single_rank):  # noqa: F811
         "experts.linear_fc1.lora_A.gate_up_proj",
         "experts.linear_fc1.lora_B.gate_up_proj",
     ]
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["linear", "grouped"])
+def test_frozen_base_keeps_its_fp8_copy_across_iterations(te, single_rank, grouped):  # noqa: F811
+    """Under FP8 a frozen base's ``is_first_microbatch`` stays False once a training forward has quantized
+    it (megatron's reset at each iteration is ignored), until the weight changes in place (merge, unmerge,
+    a load) or trains; without FP8 the flag is megatron's. The flag moves as megatron's TE linears move it:
+    True at an iteration's start, False after each forward."""
+    slot = {"gate_up_proj": SlotSpec(2, 4, False)} if grouped else {"o_proj": SlotSpec(4, 16, False)}
+
+    def build(fp8):
+        kw = dict(config=_config(fp8=fp8), lora_slots=slot, lora_dropout=0.0)
+        if grouped:
+            layer = te.LoraTEColumnParallelGroupedLinear(
+                2, 32, 24, is_expert=True, lora_site="experts.linear_fc1", **kw
+            )
+        else:
+            layer = te.LoraTERowParallelLinear(32, 32, lora_site="linear_proj", **kw)
+        for _, w in layer.lora_base_weights():
+            w.requires_grad_(False)  # as prepare_lora_model freezes the base
+        layer.is_first_microbatch = True  # megatron's TE linear constructor
+        return layer
+
+    def iteration(layer, grad=True) -> bool:
+        """megatron's set_is_first_microbatch, then one forward: whether TE was told to quantize."""
+        layer.is_first_microbatch = True
+        quantize = layer.is_first_microbatch
+        with torch.set_grad_enabled(grad):
+            layer.is_first_microbatch = False  # what megatron's TE linear does after its forward
+        return quantize
+
+    layer = build("hybrid")
+    assert iteration(layer, grad=False)  # an evaluation forward's copy (no transpose) is not kept
+    assert [iteration(layer) for _ in range(3)] == [True, False, False]
+    layer.merge()  # writes the base in place: quantized again, then kept
+    assert [iteration(layer) for _ in range(2)] == [True, False]
+    layer.unmerge()
+    assert iteration(layer)
+    with torch.no_grad():
+        layer.lora_base_weights()[0][1].copy_(torch.randn_like(layer.lora_base_weights()[0][1]))  # a load
+    assert [iteration(layer) for _ in range(2)] == [True, False]
+    layer.lora_base_weights()[-1][1].requires_grad_(True)  # a base that trains: megatron's flag again
+    assert [iteration(layer) for _ in range(2)] == [True, True]
+    bf16 = build(None)
+    assert [iteration(bf16) for _ in range(3)] == [True, True, True]

@@ -34,19 +34,58 @@ from .layers import LoraLayerMixin, LoraLinearMixin
 from .recompute import recompute_allowed
 
 
-class LoraTEColumnParallelLinear(LoraLinearMixin, TEColumnParallelLinear):
+class FrozenFp8WeightCache:
+    """Under FP8, TE quantizes a linear's weight on a micro-batch whose ``is_first_microbatch`` is True and
+    reuses that FP8 copy (and its transpose) while it is False; megatron sets it True at the start of
+    every iteration (``set_is_first_microbatch``), because trained weights change at each optimizer step.
+    A LoRA base is frozen, so its FP8 copy stays right until the weight itself changes: this keeps the flag
+    False once a forward has quantized the weight, for as long as every base weight is frozen and
+    unchanged (the same storage and version counter: a load, a merge or an unmerge writes the weight in
+    place and so requantizes it). Each iteration then skips reading every base weight in bf16 and writing
+    it twice in FP8. Without FP8, or with a base weight that trains, the flag is megatron's."""
+
+    @property
+    def is_first_microbatch(self) -> bool:
+        return self.__dict__.get("_lora_first_microbatch", True)
+
+    @is_first_microbatch.setter
+    def is_first_microbatch(self, value: bool) -> None:
+        state = self.__dict__
+        if not value and state.get("_lora_first_microbatch", True):
+            # a forward has just quantized the weight; a training one, so the copy holds the transpose
+            # that the backward's input-gradient GEMM reads too
+            state["_lora_quantized"] = self._lora_base_stamp() if torch.is_grad_enabled() else None
+        elif value and state.get("_lora_quantized") is not None:
+            if state["_lora_quantized"] == self._lora_base_stamp():
+                return  # the frozen base is as it was quantized: TE keeps its FP8 copy
+            state["_lora_quantized"] = None
+        state["_lora_first_microbatch"] = value
+
+    def _lora_base_stamp(self) -> tuple | None:
+        """What identifies the base weights' values (storage and in-place version of each); None where the
+        FP8 copy may not be kept (no FP8, or a base weight that trains)."""
+        config = getattr(self, "config", None)
+        if config is None or not getattr(config, "fp8", None):
+            return None
+        weights = [w for _, w in self.lora_base_weights()]
+        if any(w.requires_grad for w in weights):
+            return None
+        return tuple((w.data_ptr(), w._version) for w in weights)
+
+
+class LoraTEColumnParallelLinear(FrozenFp8WeightCache, LoraLinearMixin, TEColumnParallelLinear):
     """TE column-parallel linear (linear_qkv and linear_fc1 after a TENorm, experts' linear_fc1)."""
 
     lora_parallel = "column"
 
 
-class LoraTERowParallelLinear(LoraLinearMixin, TERowParallelLinear):
+class LoraTERowParallelLinear(FrozenFp8WeightCache, LoraLinearMixin, TERowParallelLinear):
     """TE row-parallel linear (linear_proj, linear_fc2)."""
 
     lora_parallel = "row"
 
 
-class _LoraTEGroupedLinear(LoraLayerMixin):
+class _LoraTEGroupedLinear(FrozenFp8WeightCache, LoraLayerMixin):
     def __init__(
         self,
         num_gemms: int,
