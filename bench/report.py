@@ -28,6 +28,8 @@ RATIOS = (
 )
 # (c) against the fastest LoRA peer of its group (every variant with a ``peer``, each configuration tried)
 BEST_PEER_RATIO, BEST_PEER_TARGET = "c_over_best_peer_tokens_per_s", 1.3
+# (h) against the fastest peer LoRA on an FP8 base (reported)
+FP8_BEST_PEER_RATIO = "h_over_best_fp8_peer_tokens_per_s"
 # full-depth Qwen3-8B LoRA (c) on one GPU: tokens/s and LoRA-aware MFU
 LORA_8B_SHAPE, LORA_8B_TOKENS_TARGET, LORA_8B_MFU_TARGET = "qwen3-8b-L36", 16000.0, 0.55
 # what a row's tokens/s counts (its ``tokens_counted``)
@@ -80,14 +82,20 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
             if rounds := _rounds(by_variant.get(num, {}), by_variant.get(den, {})):
                 row[f"{name}_rounds"] = rounds
         row |= _best_peer(by_variant)
+        row |= _best_peer(by_variant, fp8=True)
         out[group_name(key)] = row
     return out
 
 
-def _best_peer(by_variant: dict[str, dict]) -> dict[str, Any]:
+def _best_peer(by_variant: dict[str, dict], fp8: bool = False) -> dict[str, Any]:
     """The fastest LoRA peer row of a group (``best_peer``: its variant, ``best_peer_framework``), each
-    framework's fastest configuration (``peer_tokens_per_s``) and (c) over the best."""
-    peers = [r for r in by_variant.values() if r.get("peer") and r.get("tokens_per_s_per_gpu")]
+    framework's fastest configuration (``peer_tokens_per_s``) and (c) over the best; ``fp8``: the same
+    among the peers on an FP8 base, against (h), under keys prefixed ``fp8_``."""
+    peers = [
+        r
+        for r in by_variant.values()
+        if r.get("peer") and r.get("tokens_per_s_per_gpu") and bool(r.get("fp8")) == fp8
+    ]
     if not peers:
         return {}
     fastest: dict[str, dict] = {}
@@ -95,14 +103,18 @@ def _best_peer(by_variant: dict[str, dict]) -> dict[str, Any]:
         if r["tokens_per_s_per_gpu"] > fastest.get(r["peer"], {}).get("tokens_per_s_per_gpu", 0.0):
             fastest[r["peer"]] = r
     best = max(fastest.values(), key=lambda r: r["tokens_per_s_per_gpu"])
-    c = by_variant.get("twinkle_lora", {}).get("tokens_per_s_per_gpu")
-    return {
+    ours = by_variant.get("twinkle_lora_fp8" if fp8 else "twinkle_lora", {}).get("tokens_per_s_per_gpu")
+    out = {
         "best_peer": best["variant"],
         "best_peer_framework": best["peer"],
         "peer_tokens_per_s": {f: r["tokens_per_s_per_gpu"] for f, r in fastest.items()},
         "peer_configuration": {f: r["variant"] for f, r in fastest.items()},
-        BEST_PEER_RATIO: c / best["tokens_per_s_per_gpu"] if c else None,
     }
+    if fp8:  # reported, no target
+        return {f"fp8_{k}": v for k, v in out.items()} | {
+            FP8_BEST_PEER_RATIO: ours / best["tokens_per_s_per_gpu"] if ours else None
+        }
+    return out | {BEST_PEER_RATIO: ours / best["tokens_per_s_per_gpu"] if ours else None}
 
 
 def _paired(num: dict[str, Any], den: dict[str, Any]) -> list[float] | None:
@@ -226,15 +238,18 @@ def peer_lines(ratio_table: dict[str, dict]) -> list[str]:
     """The markdown lines naming each group's best LoRA peer and every framework's fastest configuration."""
     lines = []
     for group, row in ratio_table.items():
-        if not row.get("best_peer"):
-            continue
-        each = ", ".join(
-            f"{f} {tok:,.0f} ({row['peer_configuration'][f]})" for f, tok in row["peer_tokens_per_s"].items()
-        )
-        lines.append(
-            f"- {group}: best peer `{row['best_peer']}` ({row['best_peer_framework']}); (c) / best peer "
-            f"{_fmt(row.get(BEST_PEER_RATIO), '.3f')}; fastest configuration per framework, tokens/s: {each}"
-        )
+        for prefix, ours, ratio in (("", "(c)", BEST_PEER_RATIO), ("fp8_", "(h)", FP8_BEST_PEER_RATIO)):
+            if not row.get(f"{prefix}best_peer"):
+                continue
+            configuration = row[f"{prefix}peer_configuration"]
+            each = ", ".join(
+                f"{f} {tok:,.0f} ({configuration[f]})" for f, tok in row[f"{prefix}peer_tokens_per_s"].items()
+            )
+            lines.append(
+                f"- {group}{' FP8' if prefix else ''}: best peer `{row[f'{prefix}best_peer']}` "
+                f"({row[f'{prefix}best_peer_framework']}); {ours} / best peer {_fmt(row.get(ratio), '.3f')}; "
+                f"fastest configuration per framework, tokens/s: {each}"
+            )
     return (
         ["", "LoRA peers (each framework's configurations tried; the fastest is its peer):", "", *lines]
         if lines

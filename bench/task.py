@@ -65,6 +65,7 @@ def _base(task: Task, variant: str) -> dict[str, Any]:
         "grad_accum": s.grad_accum,
         "tokens_per_step": s.seq_len * s.micro_batch_size * s.grad_accum,
         "peer": VARIANTS[variant].peer,
+        "fp8": VARIANTS[variant].fp8 or None,
         "dtype": s.dtype,
         "device": torch.cuda.get_device_name() if on_gpu() else "cpu",
     }

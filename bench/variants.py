@@ -44,6 +44,8 @@ class Variant:
     # a LoRA peer that (c) is measured against: the framework's name (report.py takes the fastest
     # configuration of every peer of a group as ``best_peer``); None for twinkle's and stock Megatron's
     peer: str | None = None
+    # the base's GEMMs in FP8: an FP8 peer is measured against (h), not (c)
+    fp8: bool = False
 
 
 def _hf_peer(name: str, label: str, default: bool = True) -> Variant:
@@ -130,6 +132,15 @@ VARIANTS: dict[str, Variant] = {
             peer="Megatron-Bridge",
         ),
         Variant(
+            "megatron_bridge_lora_canonical",
+            "(l2) Megatron-Bridge CanonicalLoRA (separate q/k/v and gate/up adapters, as peft trains)",
+            "lora",
+            build_megatron_bridge.lora_canonical,
+            default=False,
+            unavailable=build_megatron_bridge.unavailable,
+            peer="Megatron-Bridge",
+        ),
+        Variant(
             "twinkle_frozen",
             "(e) twinkle_specs, all weights frozen (fwd+bwd, no optimizer; memory reference)",
             "frozen",
@@ -159,6 +170,37 @@ VARIANTS: dict[str, Variant] = {
             default=False,
             interleavable=True,
             unavailable=build_megatron.fp8_unavailable,
+        ),
+        # the Megatron peers' LoRA on an FP8 base, measured against (h)
+        Variant(
+            "mcore_bridge_lora_fp8",
+            "(k-fp8) (k) with the base's GEMMs in FP8",
+            "lora",
+            build_mcore_bridge.lora_fp8,
+            default=False,
+            unavailable=build_mcore_bridge.fp8_unavailable,
+            peer="ms-swift + mcore-bridge",
+            fp8=True,
+        ),
+        Variant(
+            "megatron_bridge_lora_fp8",
+            "(l-fp8) (l) with the base's GEMMs in FP8",
+            "lora",
+            build_megatron_bridge.lora_fp8,
+            default=False,
+            unavailable=build_megatron_bridge.fp8_unavailable,
+            peer="Megatron-Bridge",
+            fp8=True,
+        ),
+        Variant(
+            "megatron_bridge_lora_linear_fp8",
+            "(l1-fp8) (l1) with the base's GEMMs in FP8",
+            "lora",
+            build_megatron_bridge.lora_linear_fp8,
+            default=False,
+            unavailable=build_megatron_bridge.fp8_unavailable,
+            peer="Megatron-Bridge",
+            fp8=True,
         ),
         Variant(
             "mcore_te_full_fp8",

@@ -883,6 +883,10 @@ def test_report_best_peer_across_frameworks():
             unfused_grad_accumulation_ms=10.0,
             step_time_s={"median": 8.0},
         ),
+        # FP8 peers compete with (h), never with (c)
+        _row("twinkle_lora_fp8", 21000.0),
+        _row("megatron_bridge_lora_fp8", 30000.0, peer="Megatron-Bridge", fp8=True),
+        _row("megatron_bridge_lora_linear_fp8", 14000.0, peer="Megatron-Bridge", fp8=True),
     ]
     doc = report.summarize({"results": results})
     row = doc["ratios"]["qwen3-8b-L36 seq4096 mbs1"]
@@ -890,6 +894,10 @@ def test_report_best_peer_across_frameworks():
     assert row["peer_tokens_per_s"] == {"transformers + PEFT": 9700.0, "Unsloth": 11000.0}
     assert row["peer_configuration"]["transformers + PEFT"] == "hf_peft_lora_liger"
     assert row["c_over_best_peer_tokens_per_s"] == pytest.approx(15000 / 11000)
+    assert row["fp8_best_peer"] == "megatron_bridge_lora_fp8"
+    assert row["fp8_peer_tokens_per_s"] == {"Megatron-Bridge": 30000.0}
+    assert row["h_over_best_fp8_peer_tokens_per_s"] == pytest.approx(21000 / 30000)
+    assert row["fp8_lora_over_lora_tokens_per_s"] == pytest.approx(21000 / 15000)
     accumulated = doc["ratios"]["qwen3-8b-L36 seq4096 mbs1 gbs16 (accumulating 16)"]
     assert accumulated["c_over_best_peer_tokens_per_s"] == pytest.approx(16000 / 15000)
     checks = {(c["group"], c["target"]): c for c in doc["targets"]}
@@ -906,6 +914,10 @@ def test_report_best_peer_across_frameworks():
     )  # one step per 4096 tokens only
     lines = report.peer_lines(doc["ratios"])
     assert any("best peer `unsloth_lora` (Unsloth); (c) / best peer 1.364" in line for line in lines)
+    assert any(
+        "FP8: best peer `megatron_bridge_lora_fp8` (Megatron-Bridge); (h) / best peer 0.700" in x
+        for x in lines
+    )
     # the unfused accumulation's measured cost beside the accumulating row: 16 x 10 ms of an 8 s step
     (line,) = [x for x in report.accumulation_lines(results) if x.startswith("- ")]
     assert line.endswith("mcore_te_full: 10.00 ms per micro-batch, 2.0% of its step"), line
@@ -943,7 +955,7 @@ def test_peers_preset_and_peer_kits(tmp_path, monkeypatch):
     from bench.variants import VARIANTS
 
     args = parse_args(["--preset", "peers"])
-    assert args.variants == ["twinkle_lora"] + [v.name for v in VARIANTS.values() if v.peer]
+    assert args.variants == ["twinkle_lora"] + [v.name for v in VARIANTS.values() if v.peer and not v.fp8]
     assert {"hf_peft_lora_liger", "unsloth_lora", "mcore_bridge_lora", "megatron_bridge_lora"} <= set(
         args.variants
     )
