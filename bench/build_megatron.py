@@ -539,7 +539,7 @@ def with_fp8(make_model: ModelFn) -> ModelFn:
 
     def make(hf_dir: Path, s: Settings, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         model, facts = make_model(hf_dir, s, overrides | {"fp8": s.fp8_format, "fp8_recipe": s.fp8_recipe})
-        return model, facts | {"fp8": f"--fp8-format {s.fp8_format} --fp8-recipe {s.fp8_recipe}"}
+        return model, facts | {"fp8_flags": f"--fp8-format {s.fp8_format} --fp8-recipe {s.fp8_recipe}"}
 
     return make
 

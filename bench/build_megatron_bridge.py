@@ -220,7 +220,6 @@ def bridge_model(
         raise RuntimeError(f"expected one model chunk (no virtual pipeline), got {len(chunks)}")
     model = chunks[0]
     facts: dict[str, Any] = {
-        "peer": "megatron-bridge",
         "megatron_bridge_version": megatron.bridge.__version__,
         "bridge_provider": type(provider).__name__,
         "lora_variant": variant.name,
