@@ -112,16 +112,6 @@ def unavailable(hf_dir: Path, s: Settings) -> str | None:
     return None
 
 
-def fp8_unavailable(hf_dir: Path, s: Settings) -> str | None:
-    from .build_megatron import fp8_unavailable as no_fp8
-
-    return unavailable(hf_dir, s) or no_fp8(hf_dir, s)
-
-
-def lora_fp8(hf_dir: Path, s: Settings) -> Prepared:
-    return lora(hf_dir, s, fp8=True)
-
-
 def _swift_prepare(model, s: Settings) -> tuple[Any, str]:
     """ms-swift's own adapter step (``prepare_mcore_model``: all-linear -> its ``find_all_linears``,
     its LoraConfig, ``Swift.prepare_model``); plain ``peft.get_peft_model`` with the same targets (what
@@ -230,12 +220,11 @@ def bridge_model(hf_dir: Path, s: Settings, overrides: dict[str, Any]) -> tuple[
     return wrapped, facts | _lora_facts(model)
 
 
-def lora(hf_dir: Path, s: Settings, fp8: bool = False) -> Prepared:
-    """ModelScope's LoRA r=``s.lora_r`` on all linear layers, trained by the harness's Megatron step;
-    ``fp8``: the base's GEMMs in FP8 as the harness's (h) runs (c)'s."""
-    from .build_megatron import prepare, with_fp8
+def lora(hf_dir: Path, s: Settings) -> Prepared:
+    """ModelScope's LoRA r=``s.lora_r`` on all linear layers, trained by the harness's Megatron step."""
+    from .build_megatron import prepare
 
-    prepared = prepare(hf_dir, s, with_fp8(bridge_model) if fp8 else bridge_model)
+    prepared = prepare(hf_dir, s, bridge_model)
     r = prepared.result
     peer = r["peer_versions"]
     swift = f" + ms-swift {peer['ms-swift']}" if peer["ms-swift"] else ""

@@ -8,6 +8,7 @@ torch AdamW on the trainable parameters stands in, and the result says so. CUDA 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -532,16 +533,13 @@ def packed_sft_unavailable(hf_dir: Path, s: Settings) -> str | None:
     return None
 
 
-def with_fp8(make_model: ModelFn) -> ModelFn:
-    """``make_model`` under Megatron-LM's ``--fp8-format`` / ``--fp8-recipe`` (``Settings.fp8_*``): megatron
-    runs every transformer layer under TE's FP8 autocast, so the TE linears' GEMMs take FP8 operands
-    (LoRA: the frozen base's forward and input-gradient GEMMs; the adapters stay bf16 torch GEMMs)."""
-
-    def make(hf_dir: Path, s: Settings, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        model, facts = make_model(hf_dir, s, overrides | {"fp8": s.fp8_format, "fp8_recipe": s.fp8_recipe})
-        return model, facts | {"fp8_flags": f"--fp8-format {s.fp8_format} --fp8-recipe {s.fp8_recipe}"}
-
-    return make
+def fp8_settings(s: Settings) -> Settings:
+    """``s`` with Megatron-LM's ``--fp8-format`` / ``--fp8-recipe`` (``Settings.fp8_*``) as TransformerConfig
+    fields, which every Megatron variant's config takes (:func:`megatron_overrides`): megatron runs each
+    transformer layer under TE's FP8 autocast, so the TE linears' GEMMs take FP8 operands (LoRA: the frozen
+    base's forward and input-gradient GEMMs; the adapters stay bf16 torch GEMMs)."""
+    fp8 = {"fp8": s.fp8_format, "fp8_recipe": s.fp8_recipe}
+    return dataclasses.replace(s, mcore_overrides=s.mcore_overrides | fp8)
 
 
 def fp8_unavailable(hf_dir: Path, s: Settings) -> str | None:
@@ -559,20 +557,8 @@ def fp8_unavailable(hf_dir: Path, s: Settings) -> str | None:
     return None if ok else f"Transformer Engine: {why}"
 
 
-def stock_te_fp8_unavailable(hf_dir: Path, s: Settings) -> str | None:
-    return stock_te_unavailable(hf_dir, s) or fp8_unavailable(hf_dir, s)
-
-
 def stock_te_full(hf_dir: Path, s: Settings) -> Prepared:
     return prepare(hf_dir, s, stock_te_model)
-
-
-def stock_te_full_fp8(hf_dir: Path, s: Settings) -> Prepared:
-    return prepare(hf_dir, s, with_fp8(stock_te_model))
-
-
-def twinkle_lora_fp8(hf_dir: Path, s: Settings) -> Prepared:
-    return prepare(hf_dir, s, with_fp8(functools.partial(twinkle_model, lora=True)))
 
 
 def twinkle_full(hf_dir: Path, s: Settings) -> Prepared:

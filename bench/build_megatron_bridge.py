@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from . import peer_kits
-from .build_megatron import prepare, with_fp8
+from .build_megatron import prepare
 from .device import on_gpu
 from .settings import Prepared, Settings
 
@@ -257,11 +257,9 @@ def bridge_model(
     return model, facts
 
 
-def build(hf_dir: Path, s: Settings, variant: BridgeLora, fp8: bool = False) -> Prepared:
-    """One Megatron-Bridge LoRA variant through the harness's Megatron path (:func:`prepare`); ``fp8``: its
-    base's GEMMs in FP8 as the harness's (h) runs (c)'s (:func:`bench.build_megatron.with_fp8`)."""
-    make_model = functools.partial(bridge_model, variant=variant)
-    prepared = prepare(hf_dir, s, with_fp8(make_model) if fp8 else make_model)
+def build(hf_dir: Path, s: Settings, variant: BridgeLora) -> Prepared:
+    """One Megatron-Bridge LoRA variant through the harness's Megatron path (:func:`prepare`)."""
+    prepared = prepare(hf_dir, s, functools.partial(bridge_model, variant=variant))
     result = prepared.result
     result["transformer_impl"] = result.get("impl")
     result["impl"] = (
@@ -279,16 +277,6 @@ def lora(hf_dir: Path, s: Settings) -> Prepared:
 def lora_linear(hf_dir: Path, s: Settings) -> Prepared:
     """Megatron-Bridge's default LoRA path (``LoRALinear``), as its Qwen3 PEFT recipes run it."""
     return build(hf_dir, s, VARIANTS["linear"])
-
-
-def lora_fp8(hf_dir: Path, s: Settings) -> Prepared:
-    """:func:`lora` with the base's GEMMs in FP8."""
-    return build(hf_dir, s, VARIANTS["te_fused"], fp8=True)
-
-
-def lora_linear_fp8(hf_dir: Path, s: Settings) -> Prepared:
-    """:func:`lora_linear` with the base's GEMMs in FP8."""
-    return build(hf_dir, s, VARIANTS["linear"], fp8=True)
 
 
 def lora_canonical(hf_dir: Path, s: Settings) -> Prepared:
@@ -332,9 +320,3 @@ def unavailable(hf_dir: Path, s: Settings) -> str | None:
             "(validate_cuda_graph_configuration)"
         )
     return None
-
-
-def fp8_unavailable(hf_dir: Path, s: Settings) -> str | None:
-    from .build_megatron import fp8_unavailable as no_fp8
-
-    return unavailable(hf_dir, s) or no_fp8(hf_dir, s)

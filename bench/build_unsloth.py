@@ -36,8 +36,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -49,7 +47,6 @@ from . import peer_kits
 from .build_hf import causal_lm_step
 from .settings import Prepared, Settings
 
-ROOT = Path(__file__).resolve().parents[1]
 KIT = peer_kits.STAGE
 # what Unsloth imports beyond the device image: trl and datasets on import, bitsandbytes when it patches
 # a loaded model (unsloth_zoo's patch_model_and_tokenizer), even for a 16-bit LoRA
@@ -111,14 +108,6 @@ def _gradient_checkpointing() -> bool | str:
     return modes[value]
 
 
-def _write_checkpoint(hf_dir: Path) -> None:
-    """The shape's random-weight checkpoint (as run.py writes it), in a child process: this one must import
-    Unsloth before transformers and keep its GPU memory for the variant."""
-    code = "import sys; from pathlib import Path; from bench.load_timing import make_checkpoint; "
-    code += "make_checkpoint(Path(sys.argv[1]))"
-    subprocess.run([sys.executable, "-c", code, str(hf_dir)], cwd=ROOT, check=True)
-
-
 def _stub_tokenizer(folder: Path) -> Path:
     """A three-token tokenizer: Unsloth's loader loads one, the harness's checkpoint has none, and the
     data are token ids. Its pad token is valid and not eos, so Unsloth adds no token (no resize)."""
@@ -176,14 +165,11 @@ def _versions() -> dict[str, str]:
 
 
 def lora(hf_dir: Path, s: Settings) -> Prepared:
-    """Unsloth LoRA (r, alpha from the settings) on the checkpoint in ``hf_dir`` (written here if the run
-    has not), torch AdamW, random token data as :func:`bench.build_hf.prepare` makes it."""
+    """Unsloth LoRA (r, alpha from the settings) on the checkpoint in ``hf_dir`` (the run writes it: the
+    variant ``reads_checkpoint``), torch AdamW, random token data as :func:`bench.build_hf.prepare` makes it."""
     peer_kits.activate("unsloth")
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
-    wrote_checkpoint = not any(hf_dir.glob("*.safetensors"))
-    if wrote_checkpoint:
-        _write_checkpoint(hf_dir)
     import unsloth  # noqa: F401  (first: it patches transformers, peft and trl)
     from unsloth import FastLanguageModel
 
@@ -242,8 +228,6 @@ def lora(hf_dir: Path, s: Settings) -> Prepared:
     target_parameters = getattr(model.peft_config["default"], "target_parameters", None)
     if target_parameters:
         result["lora_target_parameters"] = list(target_parameters)
-    if wrote_checkpoint:
-        result["checkpoint"] = "written by this variant (the run had written none)"
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad})
     result["adapter_dtypes"] = dtypes
     vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]

@@ -337,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shapes:
             name = shape_name(shape, layers.get(shape))
             hf_dir = write_config(shape, layers.get(shape), args.work / name)
-            needs_ckpt = settings.load and any(VARIANTS[v].times_load for v in args.variants)
+            chosen = [VARIANTS[v] for v in args.variants]
+            needs_ckpt = any(v.reads_checkpoint for v in chosen) or (
+                settings.load and any(v.times_load for v in chosen)
+            )
             if needs_ckpt and not any(hf_dir.glob("*.safetensors")):
                 print(f"[bench] {name}: writing a random-weight HF checkpoint to {hf_dir}", flush=True)
                 info = processes.make_checkpoint(hf_dir, name, args, log)

@@ -84,13 +84,13 @@ def run_task(task: Task) -> dict[str, Any]:
     s, hf_dir = task.settings, Path(task.hf_dir)
     variant = VARIANTS[task.variant]
     base = _base(task, task.variant)
-    reason = variant.unavailable(hf_dir, s)
+    reason = variant.why_not(hf_dir, s)
     if reason:
         return base | {"status": "skipped", "reason": reason}
     name = f"{task.shape}__{task.variant}" + (f"__{task.tag}" if task.tag else "")
     t0 = time.perf_counter()
     try:
-        measured = measure(variant.build(hf_dir, s), s, Path(task.out_dir), name)
+        measured = measure(variant.prepare(hf_dir, s), s, Path(task.out_dir), name)
     except Exception as err:  # noqa: BLE001  (recorded; the other variants still run)
         return base | _error(err)
     finally:
@@ -106,12 +106,12 @@ def run_interleaved(task: Task, variants: list[str]) -> list[dict[str, Any]]:
     s, hf_dir = task.settings, Path(task.hf_dir)
     if s.load or s.profile or s.cuda_graphs != "none" or not all(VARIANTS[v].interleavable for v in variants):
         raise ValueError("interleaving times Megatron variants, eager, without load timing or profiler")
-    skipped = {v: reason for v in variants if (reason := VARIANTS[v].unavailable(hf_dir, s))}
+    skipped = {v: reason for v in variants if (reason := VARIANTS[v].why_not(hf_dir, s))}
     runnable = [v for v in variants if v not in skipped]
     results = {v: _base(task, v) | {"status": "skipped", "reason": r} for v, r in skipped.items()}
     t0 = time.perf_counter()
     try:
-        prepared = {v: VARIANTS[v].build(hf_dir, s) for v in runnable}
+        prepared = {v: VARIANTS[v].prepare(hf_dir, s) for v in runnable}
         timed = time_interleaved({v: p.step for v, p in prepared.items()}, s.warmup, s.steps, s.telemetry)
     except Exception as err:  # noqa: BLE001  (recorded, as run_task does)
         results |= {v: _base(task, v) | _error(err) for v in runnable}

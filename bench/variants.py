@@ -44,8 +44,24 @@ class Variant:
     # a LoRA peer that (c) is measured against: the framework's name (report.py takes the fastest
     # configuration of every peer of a group as ``best_peer``); None for twinkle's and stock Megatron's
     peer: str | None = None
-    # the base's GEMMs in FP8: an FP8 peer is measured against (h), not (c)
+    # the base's GEMMs in FP8 (--fp8-format/--fp8-recipe on top of ``build``'s own config); an FP8 peer is
+    # measured against (h), not (c)
     fp8: bool = False
+    reads_checkpoint: bool = False  # builds from the HF checkpoint's weights: the run writes one first
+
+    def why_not(self, hf_dir: Path, s: Settings) -> str | None:
+        """Why this variant cannot run here (``unavailable``, and FP8's own conditions for an FP8 one)."""
+        return self.unavailable(hf_dir, s) or (
+            build_megatron.fp8_unavailable(hf_dir, s) if self.fp8 else None
+        )
+
+    def prepare(self, hf_dir: Path, s: Settings) -> Prepared:
+        """``build`` under this variant's settings (FP8's flags added for an FP8 one)."""
+        if not self.fp8:
+            return self.build(hf_dir, s)
+        prepared = self.build(hf_dir, build_megatron.fp8_settings(s))
+        prepared.result["fp8_flags"] = f"--fp8-format {s.fp8_format} --fp8-recipe {s.fp8_recipe}"
+        return prepared
 
 
 def _hf_peer(name: str, label: str, default: bool = True) -> Variant:
@@ -59,6 +75,19 @@ def _hf_peer(name: str, label: str, default: bool = True) -> Variant:
         default=default,
         unavailable=functools.partial(build_hf.unavailable, tuning=tuning),
         peer="transformers + PEFT",
+    )
+
+
+def _megatron_bridge_peer(name: str, label: str, build, **kw) -> Variant:
+    """A Megatron-Bridge LoRA configuration (:mod:`build_megatron_bridge`) as a variant."""
+    return Variant(
+        name,
+        label,
+        "lora",
+        build,
+        unavailable=build_megatron_bridge.unavailable,
+        peer="Megatron-Bridge",
+        **kw,
     )
 
 
@@ -94,7 +123,7 @@ VARIANTS: dict[str, Variant] = {
         _hf_peer("hf_peft_lora_liger", "(d3) (d) with bf16 adapters + Liger-Kernel"),
         _hf_peer("hf_peft_lora_compile", "(d4) (d) with bf16 adapters + Liger fused CE + torch.compile"),
         # its own child process only (Unsloth patches transformers, peft and trl on import); wheels:
-        # bench/stage_peers.sh
+        # bench/peers.sh
         Variant(
             "unsloth_lora",
             "(j) Unsloth LoRA all-linear, bf16 base, its fused kernels",
@@ -102,6 +131,7 @@ VARIANTS: dict[str, Variant] = {
             build_unsloth.lora,
             unavailable=build_unsloth.unavailable,
             peer="Unsloth",
+            reads_checkpoint=True,
         ),
         # ModelScope's Megatron LoRA (ms-swift 4 on mcore-bridge): the model and adapters theirs, DDP,
         # optimizer and step the harness's; own process only (mcore-bridge patches megatron-core and peft)
@@ -115,30 +145,21 @@ VARIANTS: dict[str, Variant] = {
         ),
         # NVIDIA's Megatron-LM LoRA (Megatron-Bridge 0.6, megatron-core 0.19 only): its fastest LoRA (TE
         # op-fuser graphs) and its recipes' default; own process only (its import changes global state)
-        Variant(
+        _megatron_bridge_peer(
             "megatron_bridge_lora",
             "(l) NVIDIA Megatron-Bridge LoRA all-linear (TEFusedLoRALinear)",
-            "lora",
             build_megatron_bridge.lora,
-            unavailable=build_megatron_bridge.unavailable,
-            peer="Megatron-Bridge",
         ),
-        Variant(
+        _megatron_bridge_peer(
             "megatron_bridge_lora_linear",
             "(l1) Megatron-Bridge LoRA all-linear, its recipes' default (LoRALinear)",
-            "lora",
             build_megatron_bridge.lora_linear,
-            unavailable=build_megatron_bridge.unavailable,
-            peer="Megatron-Bridge",
         ),
-        Variant(
+        _megatron_bridge_peer(
             "megatron_bridge_lora_canonical",
             "(l2) Megatron-Bridge CanonicalLoRA (separate q/k/v and gate/up adapters, as peft trains)",
-            "lora",
             build_megatron_bridge.lora_canonical,
             default=False,
-            unavailable=build_megatron_bridge.unavailable,
-            peer="Megatron-Bridge",
         ),
         Variant(
             "twinkle_frozen",
@@ -166,50 +187,45 @@ VARIANTS: dict[str, Variant] = {
             "twinkle_lora_fp8",
             "(h) (c) with the frozen base's GEMMs in FP8",
             "lora",
-            build_megatron.twinkle_lora_fp8,
+            build_megatron.twinkle_lora,
             default=False,
             interleavable=True,
-            unavailable=build_megatron.fp8_unavailable,
-        ),
-        # the Megatron peers' LoRA on an FP8 base, measured against (h)
-        Variant(
-            "mcore_bridge_lora_fp8",
-            "(k-fp8) (k) with the base's GEMMs in FP8",
-            "lora",
-            build_mcore_bridge.lora_fp8,
-            default=False,
-            unavailable=build_mcore_bridge.fp8_unavailable,
-            peer="ms-swift + mcore-bridge",
-            fp8=True,
-        ),
-        Variant(
-            "megatron_bridge_lora_fp8",
-            "(l-fp8) (l) with the base's GEMMs in FP8",
-            "lora",
-            build_megatron_bridge.lora_fp8,
-            default=False,
-            unavailable=build_megatron_bridge.fp8_unavailable,
-            peer="Megatron-Bridge",
-            fp8=True,
-        ),
-        Variant(
-            "megatron_bridge_lora_linear_fp8",
-            "(l1-fp8) (l1) with the base's GEMMs in FP8",
-            "lora",
-            build_megatron_bridge.lora_linear_fp8,
-            default=False,
-            unavailable=build_megatron_bridge.fp8_unavailable,
-            peer="Megatron-Bridge",
             fp8=True,
         ),
         Variant(
             "mcore_te_full_fp8",
             "(i) (a) in FP8",
             "full",
-            build_megatron.stock_te_full_fp8,
+            build_megatron.stock_te_full,
             default=False,
             interleavable=True,
-            unavailable=build_megatron.stock_te_fp8_unavailable,
+            unavailable=build_megatron.stock_te_unavailable,
+            fp8=True,
+        ),
+        # the Megatron peers' LoRA on an FP8 base, measured against (h)
+        Variant(
+            "mcore_bridge_lora_fp8",
+            "(k-fp8) (k) with the base's GEMMs in FP8",
+            "lora",
+            build_mcore_bridge.lora,
+            default=False,
+            unavailable=build_mcore_bridge.unavailable,
+            peer="ms-swift + mcore-bridge",
+            fp8=True,
+        ),
+        _megatron_bridge_peer(
+            "megatron_bridge_lora_fp8",
+            "(l-fp8) (l) with the base's GEMMs in FP8",
+            build_megatron_bridge.lora,
+            default=False,
+            fp8=True,
+        ),
+        _megatron_bridge_peer(
+            "megatron_bridge_lora_linear_fp8",
+            "(l1-fp8) (l1) with the base's GEMMs in FP8",
+            build_megatron_bridge.lora_linear,
+            default=False,
+            fp8=True,
         ),
     )
 }

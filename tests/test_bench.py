@@ -1241,3 +1241,33 @@ def test_slim_wheel_drops_files_and_relabels(tmp_path):
             expected = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
             assert digest == f"sha256={expected}" and int(size) == len(data), path
         assert {line.split(",")[0] for line in record} == names
+
+
+def test_fp8_variant_builds_under_the_fp8_flags():
+    """A variant marked ``fp8`` builds with Megatron-LM's --fp8-format/--fp8-recipe among its
+    TransformerConfig overrides (on top of the run's own), records them, and adds FP8's availability check
+    to its own; an unmarked one builds with the run's settings as they are."""
+    from bench.settings import Prepared, Settings
+    from bench.variants import Variant
+
+    seen: list[Settings] = []
+
+    def build(hf_dir, s):
+        seen.append(s)
+        return Prepared({}, lambda: 0.0)
+
+    s = Settings(fp8_recipe="tensorwise", mcore_overrides={"apply_rope_fusion": False})
+    fp8 = Variant("toy_fp8", "(t) toy", "lora", build, unavailable=lambda h, s: None, fp8=True)
+    prepared = fp8.prepare(Path("unused"), s)
+    assert seen[0].mcore_overrides == {
+        "apply_rope_fusion": False,
+        "fp8": "hybrid",
+        "fp8_recipe": "tensorwise",
+    }
+    assert prepared.result["fp8_flags"] == "--fp8-format hybrid --fp8-recipe tensorwise"
+    assert s.mcore_overrides == {"apply_rope_fusion": False}  # the run's settings untouched
+    Variant("toy", "(t) toy", "lora", build).prepare(Path("unused"), s)
+    assert seen[1] is s
+    if not torch.cuda.is_available():
+        assert "compute capability 8.9" in fp8.why_not(Path("unused"), s)
+        assert Variant("toy", "(t) toy", "lora", build).why_not(Path("unused"), s) is None
