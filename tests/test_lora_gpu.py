@@ -389,9 +389,10 @@ def test_te_tp2_sequence_parallel_matches_peft(lora_checkpoints, tmp_path):
     assert worst <= GRAD_REL * scale, f"max |Δgrad| {worst} vs largest {scale}"
 
 
-# FP8 (E4M3 forward, E5M2 gradients) against bf16 on the same weights: the loss within 2 %, the adapter
-# gradients' direction kept (cosine over all factors)
-FP8_LOSS_RTOL, FP8_GRAD_MIN_COSINE = 2e-2, 0.99
+# FP8 (E4M3 forward, E5M2 gradients) against bf16 on the same weights, at the second iteration (scales
+# from the first's amaxes): the loss within 2 %, the adapter gradients' direction kept (cosine over all
+# factors; for the MoE model FP8's error also moves a few of the 64 tokens to other experts)
+FP8_LOSS_RTOL, FP8_GRAD_MIN_COSINE = 2e-2, {"qwen3": 0.99, "qwen3_moe": 0.97}
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
@@ -437,7 +438,13 @@ def test_te_fp8_lora_keeps_its_fused_paths(kind, lora_checkpoints, gpu, monkeypa
         )
         randomize_megatron(model)
         toks = tokens(s=64).cuda()
-        loss = _next_token_loss(model, toks, torch.arange(64, device="cuda").expand_as(toks))
+        pos = torch.arange(64, device="cuda").expand_as(toks)
+        # one iteration first, as training has before any step worth comparing: delayed scaling's first
+        # quantizations use its initial scale of 1.0, the amaxes they record set the scales used after
+        _next_token_loss(model, toks, pos).backward()
+        model.zero_grad(set_to_none=True)
+        model.set_is_first_microbatch()  # megatron's schedule, at the next iteration's first micro-batch
+        loss = _next_token_loss(model, toks, pos)
         loss.backward()
         grads = torch.cat([p.grad.float().flatten() for p in adapter_parameters(model)])
         return model, loss.item(), grads
@@ -455,15 +462,17 @@ def test_te_fp8_lora_keeps_its_fused_paths(kind, lora_checkpoints, gpu, monkeypa
     cosine = _cosine(fp8_grads, bf16_grads)
     EVIDENCE.record(f"fp8_vs_bf16_{kind}", fp8_loss=fp8_loss, bf16_loss=bf16_loss, grad_cosine=cosine)
     assert abs(fp8_loss - bf16_loss) <= FP8_LOSS_RTOL * bf16_loss, (fp8_loss, bf16_loss)
-    assert cosine >= FP8_GRAD_MIN_COSINE, cosine
+    assert cosine >= FP8_GRAD_MIN_COSINE[kind], cosine
 
 
 def test_te_fp8_frozen_base_is_quantized_once(lora_checkpoints, gpu, monkeypatch):
-    """Under FP8 the frozen base's weights are quantized by the first iteration's forward and TE's FP8
-    copies are reused by every later iteration (te_layers.FrozenFp8WeightCache), where megatron would have
-    TE quantize every weight again at each iteration's start. The losses of 4 adapter-training iterations
-    equal those of the run that requantizes (megatron's default amax settings: a frozen weight's scale
-    does not move, so its FP8 copy is the same; 1e-3 relative for the kernels' nondeterminism)."""
+    """Under FP8 (delayed scaling) the frozen base's weights are quantized by the first two iterations'
+    forwards (the first with the recipe's initial scale, the second with the scale of the weight's own
+    amax) and TE's FP8 copies are reused by every later iteration (te_layers.FrozenFp8WeightCache), where
+    megatron would have TE quantize every weight again at each iteration's start. The losses of 4
+    adapter-training iterations equal those of the run that requantizes (a frozen weight's amax, so its
+    scale, does not move after that: its FP8 copy is the same; 1e-3 relative for the kernels'
+    nondeterminism)."""
     from test_lora_support import randomize_megatron, tokens
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
@@ -516,7 +525,7 @@ def test_te_fp8_frozen_base_is_quantized_once(lora_checkpoints, gpu, monkeypatch
     EVIDENCE.record(
         "fp8_frozen_base_cache", cached=cached, requantized=requantized, quantizations=cached_counts
     )
-    assert cached_counts[0] > 0 and cached_counts[1:] == [0] * 3, cached_counts
+    assert cached_counts[0] > 0 and cached_counts[1:] == [cached_counts[0], 0, 0], cached_counts
     assert requantized_counts == [cached_counts[0]] * 4, requantized_counts
     assert cached[-1] < cached[0], cached  # the adapters trained
     for a, b in zip(cached, requantized, strict=True):

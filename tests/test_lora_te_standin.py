@@ -314,14 +314,18 @@ def test_grouped_experts_per_expert_adapters(te, single_rank):  # noqa: F811
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["linear", "grouped"])
 def test_frozen_base_keeps_its_fp8_copy_across_iterations(te, single_rank, grouped):  # noqa: F811
-    """Under FP8 a frozen base's ``is_first_microbatch`` stays False once a training forward has quantized
-    it (megatron's reset at each iteration is ignored), until the weight changes in place (merge, unmerge,
-    a load) or trains; without FP8 the flag is megatron's. The flag moves as megatron's TE linears move it:
-    True at an iteration's start, False after each forward."""
+    """Under FP8 a frozen base's ``is_first_microbatch`` stays False once training forwards have made its
+    final FP8 copy (megatron's reset at each iteration is ignored): under delayed scaling the second copy
+    (the first scaled by the weight's own amax), under current scaling the first; until the weight changes
+    in place (merge, unmerge, a load) or trains. Without FP8, or with a recipe whose quantizer it does not
+    know, the flag is megatron's. The flag moves as megatron's TE linears move it: True at an iteration's
+    start, False after each forward."""
     slot = {"gate_up_proj": SlotSpec(2, 4, False)} if grouped else {"o_proj": SlotSpec(4, 16, False)}
 
-    def build(fp8):
-        kw = dict(config=_config(fp8=fp8), lora_slots=slot, lora_dropout=0.0)
+    def build(fp8, recipe="delayed"):
+        config = _config(fp8=fp8)
+        config.fp8_recipe = recipe  # after the checks: "custom" would want a quantizer factory
+        kw = dict(config=config, lora_slots=slot, lora_dropout=0.0)
         if grouped:
             layer = te.LoraTEColumnParallelGroupedLinear(
                 2, 32, 24, is_expert=True, lora_site="experts.linear_fc1", **kw
@@ -343,15 +347,19 @@ def test_frozen_base_keeps_its_fp8_copy_across_iterations(te, single_rank, group
 
     layer = build("hybrid")
     assert iteration(layer, grad=False)  # an evaluation forward's copy (no transpose) is not kept
-    assert [iteration(layer) for _ in range(3)] == [True, False, False]
-    layer.merge()  # writes the base in place: quantized again, then kept
-    assert [iteration(layer) for _ in range(2)] == [True, False]
+    assert [iteration(layer) for _ in range(4)] == [True, True, False, False]
+    layer.merge()  # writes the base in place: quantized again until settled, then kept
+    assert [iteration(layer) for _ in range(3)] == [True, True, False]
     layer.unmerge()
     assert iteration(layer)
     with torch.no_grad():
         layer.lora_base_weights()[0][1].copy_(torch.randn_like(layer.lora_base_weights()[0][1]))  # a load
-    assert [iteration(layer) for _ in range(2)] == [True, False]
+    assert [iteration(layer) for _ in range(3)] == [True, True, False]
     layer.lora_base_weights()[-1][1].requires_grad_(True)  # a base that trains: megatron's flag again
-    assert [iteration(layer) for _ in range(2)] == [True, True]
+    assert [iteration(layer) for _ in range(3)] == [True, True, True]
+    current = build("hybrid", "tensorwise")  # each copy scaled by the weight itself: the first is final
+    assert [iteration(current) for _ in range(3)] == [True, False, False]
+    custom = build("hybrid", "custom")  # a quantizer of the user's: megatron's flag
+    assert [iteration(custom) for _ in range(3)] == [True, True, True]
     bf16 = build(None)
     assert [iteration(bf16) for _ in range(3)] == [True, True, True]

@@ -38,11 +38,12 @@ class FrozenFp8WeightCache:
     """Under FP8, TE quantizes a linear's weight on a micro-batch whose ``is_first_microbatch`` is True and
     reuses that FP8 copy (and its transpose) while it is False; megatron sets it True at the start of
     every iteration (``set_is_first_microbatch``), because trained weights change at each optimizer step.
-    A LoRA base is frozen, so its FP8 copy stays right until the weight itself changes: this keeps the flag
-    False once a forward has quantized the weight, for as long as every base weight is frozen and
-    unchanged (the same storage and version counter: a load, a merge or an unmerge writes the weight in
-    place and so requantizes it). Each iteration then skips reading every base weight in bf16 and writing
-    it twice in FP8. Without FP8, or with a base weight that trains, the flag is megatron's."""
+    A LoRA base is frozen, so its FP8 copy stays right until the weight itself changes: once a training
+    forward has made the copy that every later one would make again, this keeps the flag False for as long
+    as every base weight is frozen and unchanged (the same storage and version counter: a load, a merge or
+    an unmerge writes the weight in place and so requantizes it). Each iteration then skips reading every
+    base weight in bf16 and writing it twice in FP8. Without FP8, or with a base weight that trains, the
+    flag is megatron's."""
 
     @property
     def is_first_microbatch(self) -> bool:
@@ -54,18 +55,34 @@ class FrozenFp8WeightCache:
         if not value and state.get("_lora_first_microbatch", True):
             # a forward has just quantized the weight; a training one, so the copy holds the transpose
             # that the backward's input-gradient GEMM reads too
-            state["_lora_quantized"] = self._lora_base_stamp() if torch.is_grad_enabled() else None
+            stamp = self._lora_base_stamp() if torch.is_grad_enabled() else None
+            same = stamp is not None and stamp == state.get("_lora_stamp")
+            runs = state.get("_lora_runs", 0) + 1 if same else 1
+            state["_lora_stamp"], state["_lora_runs"] = stamp, runs
+            settled = stamp is not None and runs >= self._lora_copies_to_settle()
+            state["_lora_quantized"] = stamp if settled else None
         elif value and state.get("_lora_quantized") is not None:
             if state["_lora_quantized"] == self._lora_base_stamp():
                 return  # the frozen base is as it was quantized: TE keeps its FP8 copy
             state["_lora_quantized"] = None
         state["_lora_first_microbatch"] = value
 
+    def _lora_copies_to_settle(self) -> int:
+        """Training quantizations of an unchanged weight until its FP8 copy is final. Delayed scaling
+        quantizes with a scale from amaxes seen before (the initial 1.0 the first time, which flushes small
+        weights to FP8's subnormals), so its second copy is the first scaled by the weight's own amax; the
+        current-scaling recipes (tensorwise, blockwise, mxfp8) scale every copy by the weight itself."""
+        recipe = getattr(self.config, "fp8_recipe", None)
+        return {"delayed": 2, "tensorwise": 1, "blockwise": 1, "mxfp8": 1}.get(
+            getattr(recipe, "value", recipe), 0
+        )
+
     def _lora_base_stamp(self) -> tuple | None:
         """What identifies the base weights' values (storage and in-place version of each); None where the
-        FP8 copy may not be kept (no FP8, or a base weight that trains)."""
+        FP8 copy may not be kept (no FP8, a recipe whose quantizer this does not know, or a base weight
+        that trains)."""
         config = getattr(self, "config", None)
-        if config is None or not getattr(config, "fp8", None):
+        if config is None or not getattr(config, "fp8", None) or not self._lora_copies_to_settle():
             return None
         weights = [w for _, w in self.lora_base_weights()]
         if any(w.requires_grad for w in weights):
