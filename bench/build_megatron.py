@@ -542,6 +542,11 @@ def fp8_settings(s: Settings) -> Settings:
     return dataclasses.replace(s, mcore_overrides=s.mcore_overrides | fp8)
 
 
+def graphs_unavailable() -> str | None:
+    """Why a variant with CUDA graphs of its own cannot run here (it would run eager, under its name)."""
+    return None if on_gpu() else "CUDA graphs need a CUDA GPU"
+
+
 def fp8_unavailable(hf_dir: Path, s: Settings) -> str | None:
     """Why the FP8 variants cannot run here: Transformer Engine's FP8 GEMMs need a GPU of compute
     capability 8.9 or newer (blockwise scaling: Hopper's 9.0)."""

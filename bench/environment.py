@@ -3,6 +3,7 @@ selected environment variables and the measured code's provenance (bench/provena
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import shutil
@@ -40,7 +41,24 @@ def versions() -> dict[str, str | None]:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = None
+    # the megatron-core that imports: a Megatron-LM checkout ahead on PYTHONPATH shadows the installed wheel
+    out["megatron-core (imported)"] = _imported_megatron_core()
     return out
+
+
+def _imported_megatron_core() -> str | None:
+    """The version and folder of the megatron-core that ``import megatron.core`` finds, read from its
+    package_info.py alone (importing megatron.core itself would import torch and more in this process)."""
+    megatron = importlib.util.find_spec("megatron")
+    for folder in megatron.submodule_search_locations or [] if megatron else []:
+        info = Path(folder) / "core" / "package_info.py"
+        if info.is_file():
+            spec = importlib.util.spec_from_file_location("_megatron_core_package_info", info)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            version = getattr(module, "__shortversion__", module.__version__)  # no "+<git hash of cwd>"
+            return f"{version} from {Path(folder).parent}"
+    return None
 
 
 def code_provenance(out: Path, root: Path = ROOT) -> dict[str, str | None]:

@@ -64,8 +64,10 @@ def _base(task: Task, variant: str) -> dict[str, Any]:
         "micro_batch_size": s.micro_batch_size,
         "grad_accum": s.grad_accum,
         "tokens_per_step": s.seq_len * s.micro_batch_size * s.grad_accum,
-        "peer": VARIANTS[variant].peer,  # a build's result never sets these two (it would override them)
+        # a build's result never sets these three (it would override them)
+        "peer": VARIANTS[variant].peer,
         "fp8": VARIANTS[variant].fp8 or None,
+        "configuration_of": VARIANTS[variant].configuration_of,
         "dtype": s.dtype,
         "device": torch.cuda.get_device_name() if on_gpu() else "cpu",
     }

@@ -12,6 +12,7 @@ that patch others on import.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,19 +49,33 @@ class Variant:
     # measured against (h), not (c)
     fp8: bool = False
     reads_checkpoint: bool = False  # builds from the HF checkpoint's weights: the run writes one first
+    # its own CUDA graphs (Settings.cuda_graphs, whatever --cuda-graphs says): a configuration of ours
+    # measured beside the eager one in the same group
+    cuda_graphs: str | None = None
+    # another configuration of that variant (its name): the report takes the fastest configuration as that
+    # variant's figure against the best peer, as it takes each peer framework's fastest
+    configuration_of: str | None = None
+
+    def settings(self, s: Settings) -> Settings:
+        """The settings this variant builds under: its own CUDA graphs and FP8's flags on top of ``s``."""
+        s = dataclasses.replace(s, cuda_graphs=self.cuda_graphs) if self.cuda_graphs else s
+        return build_megatron.fp8_settings(s) if self.fp8 else s
 
     def why_not(self, hf_dir: Path, s: Settings) -> str | None:
-        """Why this variant cannot run here (``unavailable``, and FP8's own conditions for an FP8 one)."""
-        return self.unavailable(hf_dir, s) or (
-            build_megatron.fp8_unavailable(hf_dir, s) if self.fp8 else None
+        """Why this variant cannot run here (``unavailable``, FP8's and CUDA graphs' own conditions)."""
+        return (
+            self.unavailable(hf_dir, self.settings(s))
+            or (build_megatron.fp8_unavailable(hf_dir, s) if self.fp8 else None)
+            or (build_megatron.graphs_unavailable() if self.cuda_graphs else None)
         )
 
     def prepare(self, hf_dir: Path, s: Settings) -> Prepared:
-        """``build`` under this variant's settings (FP8's flags added for an FP8 one)."""
-        if not self.fp8:
-            return self.build(hf_dir, s)
-        prepared = self.build(hf_dir, build_megatron.fp8_settings(s))
-        prepared.result["fp8_flags"] = f"--fp8-format {s.fp8_format} --fp8-recipe {s.fp8_recipe}"
+        """``build`` under this variant's settings (:meth:`settings`), which its row records."""
+        prepared = self.build(hf_dir, self.settings(s))
+        if self.fp8:
+            prepared.result["fp8_flags"] = f"--fp8-format {s.fp8_format} --fp8-recipe {s.fp8_recipe}"
+        if self.cuda_graphs:
+            prepared.result["cuda_graphs"] = self.cuda_graphs
         return prepared
 
 
@@ -116,6 +131,17 @@ VARIANTS: dict[str, Variant] = {
             "lora",
             build_megatron.twinkle_lora,
             interleavable=True,
+        ),
+        # (c) under Transformer Engine's CUDA graphs (pretrain_gpt.py --cuda-graph-impl transformer_engine):
+        # each layer's forward and backward replayed, no host launch per kernel
+        Variant(
+            "twinkle_lora_graphs",
+            "(c-graphs) (c) under TE CUDA graphs",
+            "lora",
+            build_megatron.twinkle_lora,
+            default=False,
+            cuda_graphs="transformer_engine",
+            configuration_of="twinkle_lora",
         ),
         _hf_peer("hf_peft_lora", "(d) transformers + PEFT LoRA all-linear (sdpa), peft defaults"),
         _hf_peer("hf_peft_lora_autocast", "(d1) (d) under autocast bf16 (HF Trainer's bf16=True)"),
@@ -191,6 +217,17 @@ VARIANTS: dict[str, Variant] = {
             default=False,
             interleavable=True,
             fp8=True,
+        ),
+        # (h) under TE CUDA graphs, as (c-graphs) is (c)
+        Variant(
+            "twinkle_lora_fp8_graphs",
+            "(h-graphs) (h) under TE CUDA graphs",
+            "lora",
+            build_megatron.twinkle_lora,
+            default=False,
+            fp8=True,
+            cuda_graphs="transformer_engine",
+            configuration_of="twinkle_lora_fp8",
         ),
         Variant(
             "mcore_te_full_fp8",

@@ -6,6 +6,7 @@ performance results. The GPU test runs the same harness on the device machine (T
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -400,6 +401,10 @@ def test_cpu_end_to_end_schema(cpu_run):
         assert key in doc, key
     assert doc["environment"]["device"] == "cpu"
     assert doc["environment"]["versions"]["megatron-core"]
+    import megatron.core.package_info as info  # the one this run imported, and where from
+
+    imported = doc["environment"]["versions"]["megatron-core (imported)"]
+    assert imported.startswith(f"{info.__shortversion__} from "), imported
     assert doc["command"].startswith("python bench/run.py --preset tiny")
     by_variant = {r["variant"]: r for r in doc["results"]}
     assert set(by_variant) == {
@@ -875,6 +880,8 @@ def test_report_best_peer_across_frameworks():
         _row("unsloth_lora", 11000.0, **unsloth),
         _row("hf_peft_lora", 1.0, status="error", **hf),  # failed rows never count
         _row("twinkle_lora", 16000.0, grad_accum=16),
+        # another configuration of (c), faster: (c)'s figure against the peers, as a peer's fastest is its
+        _row("twinkle_lora_graphs", 17000.0, grad_accum=16, configuration_of="twinkle_lora"),
         _row("hf_peft_lora_liger", 15000.0, grad_accum=16, **hf),
         _row(
             "mcore_te_full",
@@ -899,7 +906,11 @@ def test_report_best_peer_across_frameworks():
     assert row["h_over_best_fp8_peer_tokens_per_s"] == pytest.approx(21000 / 30000)
     assert row["fp8_lora_over_lora_tokens_per_s"] == pytest.approx(21000 / 15000)
     accumulated = doc["ratios"]["qwen3-8b-L36 seq4096 mbs1 gbs16 (accumulating 16)"]
-    assert accumulated["c_over_best_peer_tokens_per_s"] == pytest.approx(16000 / 15000)
+    assert accumulated["c_over_best_peer_tokens_per_s"] == pytest.approx(17000 / 15000)
+    assert (row["ours_configuration"], accumulated["ours_configuration"]) == (
+        "twinkle_lora",
+        "twinkle_lora_graphs",
+    )
     checks = {(c["group"], c["target"]): c for c in doc["targets"]}
     assert checks["qwen3-8b-L36 seq4096 mbs1", "c_over_best_peer_tokens_per_s >= 1.3"]["met"] is True
     accumulated_name = "qwen3-8b-L36 seq4096 mbs1 gbs16 (accumulating 16)"
@@ -913,9 +924,13 @@ def test_report_best_peer_across_frameworks():
         g == accumulated_name and "36 layers" in t for g, t in checks
     )  # one step per 4096 tokens only
     lines = report.peer_lines(doc["ratios"])
-    assert any("best peer `unsloth_lora` (Unsloth); (c) / best peer 1.364" in line for line in lines)
     assert any(
-        "FP8: best peer `megatron_bridge_lora_fp8` (Megatron-Bridge); (h) / best peer 0.700" in x
+        "best peer `unsloth_lora` (Unsloth); (c) as `twinkle_lora` / best peer 1.364" in line
+        for line in lines
+    )
+    assert any(
+        "FP8: best peer `megatron_bridge_lora_fp8` (Megatron-Bridge); (h) as `twinkle_lora_fp8` / best peer 0.700"
+        in x
         for x in lines
     )
     # the unfused accumulation's measured cost beside the accumulating row: 16 x 10 ms of an 8 s step
@@ -948,14 +963,15 @@ def test_report_never_judges_noise_or_cpu():
 
 
 def test_peers_preset_and_peer_kits(tmp_path, monkeypatch):
-    """``--preset peers``: (c) and every LoRA peer, Qwen3-8B at its 36 layers (a later --layers wins); a
+    """``--preset peers``: (c) eager and under CUDA graphs, and every LoRA peer, Qwen3-8B at its 36 layers (a later --layers wins); a
     peer's kit folder goes first on sys.path only when installed."""
     from bench import peer_kits
     from bench.run import parse_args
     from bench.variants import VARIANTS
 
     args = parse_args(["--preset", "peers"])
-    assert args.variants == ["twinkle_lora"] + [v.name for v in VARIANTS.values() if v.peer and not v.fp8]
+    ours = ["twinkle_lora", "twinkle_lora_graphs"]  # (c) in each of its configurations
+    assert args.variants == ours + [v.name for v in VARIANTS.values() if v.peer and not v.fp8]
     assert {"hf_peft_lora_liger", "unsloth_lora", "mcore_bridge_lora", "megatron_bridge_lora"} <= set(
         args.variants
     )
@@ -1271,3 +1287,15 @@ def test_fp8_variant_builds_under_the_fp8_flags():
     if not torch.cuda.is_available():
         assert "compute capability 8.9" in fp8.why_not(Path("unused"), s)
         assert Variant("toy", "(t) toy", "lora", build).why_not(Path("unused"), s) is None
+    # CUDA graphs of its own, whatever the run's --cuda-graphs: in its settings and its row
+    graphs = Variant("toy_graphs", "(t) toy", "lora", build, fp8=True, cuda_graphs="transformer_engine")
+    prepared = graphs.prepare(Path("unused"), s)
+    assert (seen[2].cuda_graphs, seen[2].mcore_overrides["fp8"], s.cuda_graphs) == (
+        "transformer_engine",
+        "hybrid",
+        "none",
+    )
+    assert prepared.result["cuda_graphs"] == "transformer_engine"
+    if not torch.cuda.is_available():  # never run eager under its name
+        graphs = dataclasses.replace(graphs, fp8=False)
+        assert graphs.why_not(Path("unused"), s) == "CUDA graphs need a CUDA GPU"
