@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ FP8_RTOL = (
 )
 ITERS, WARMUP_ITERS = 300, 20
 # one micro-batch of 8 rows per iteration: the same tokens as 4 micro-batches of 2 rows, with a quarter of
-# the host's kernel launches per iteration (the two 301-iteration runs want to fit one device call)
+# the host's kernel launches per iteration (the two 301-iteration runs have to fit one device call)
 SEQ, MICRO_BATCH, GLOBAL_BATCH = 1024, 8, 8
 EVIDENCE = Evidence("fp8-summary.json")
 
@@ -146,8 +147,12 @@ def lora_run(text_run: dict, name: str, *extra: str) -> tuple[dict[int, float], 
 def test_fp8_lora_converges_like_bf16_and_exports_the_same_adapter(text_run):
     from safetensors import safe_open
 
-    bf16, bf16_export, _ = lora_run(text_run, "bf16")
-    fp8, fp8_export, dump = lora_run(text_run, "fp8", "--fp8-format", "hybrid", "--fp8-recipe", "delayed")
+    # the two runs side by side on the one GPU (each its own torchrun on a free port), so that the test
+    # fits one device call
+    with ThreadPoolExecutor(2) as pool:
+        bf16_run = pool.submit(lora_run, text_run, "bf16")
+        fp8_run = pool.submit(lora_run, text_run, "fp8", "--fp8-format", "hybrid", "--fp8-recipe", "delayed")
+        (bf16, bf16_export, _), (fp8, fp8_export, dump) = bf16_run.result(), fp8_run.result()
     rel = {i: abs(fp8[i] - bf16[i]) / bf16[i] for i in range(WARMUP_ITERS + 1, ITERS + 1)}
     worst = max(rel, key=rel.get)
     exported = hf_loss(text_run["hf"], dump, adapter=fp8_export)
