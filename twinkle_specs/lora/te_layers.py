@@ -57,15 +57,19 @@ class FrozenFp8WeightCache:
             # that the backward's input-gradient GEMM reads too
             stamp = self._lora_base_stamp() if torch.is_grad_enabled() else None
             same = stamp is not None and stamp == state.get("_lora_stamp")
-            runs = state.get("_lora_runs", 0) + 1 if same else 1
-            state["_lora_stamp"], state["_lora_runs"] = stamp, runs
-            settled = stamp is not None and runs >= self._lora_copies_to_settle()
-            state["_lora_quantized"] = stamp if settled else None
-        elif value and state.get("_lora_quantized") is not None:
-            if state["_lora_quantized"] == self._lora_base_stamp():
-                return  # the frozen base is as it was quantized: TE keeps its FP8 copy
-            state["_lora_quantized"] = None
+            state["_lora_stamp"], state["_lora_runs"] = stamp, state.get("_lora_runs", 0) + 1 if same else 1
+        elif value and self._lora_copy_is_final():
+            return  # the frozen base is as it was quantized: TE keeps its FP8 copy
         state["_lora_first_microbatch"] = value
+
+    def _lora_copy_is_final(self) -> bool:
+        """Whether TE's FP8 copy is the one every later training forward would make again: the last
+        quantizations were of these very base weights, as many as the recipe needs to settle."""
+        state = self.__dict__
+        stamp = state.get("_lora_stamp")
+        if stamp is None or state["_lora_runs"] < self._lora_copies_to_settle():
+            return False
+        return stamp == self._lora_base_stamp()
 
     def _lora_copies_to_settle(self) -> int:
         """Training quantizations of an unchanged weight until its FP8 copy is final. Delayed scaling
