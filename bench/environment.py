@@ -50,7 +50,7 @@ def _imported_megatron_core() -> str | None:
     """The version and folder of the megatron-core that ``import megatron.core`` finds, read from its
     package_info.py alone (importing megatron.core itself would import torch and more in this process)."""
     megatron = importlib.util.find_spec("megatron")
-    for folder in megatron.submodule_search_locations or [] if megatron else []:
+    for folder in (megatron.submodule_search_locations or []) if megatron else []:
         info = Path(folder) / "core" / "package_info.py"
         if info.is_file():
             spec = importlib.util.spec_from_file_location("_megatron_core_package_info", info)

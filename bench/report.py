@@ -62,6 +62,11 @@ def _why(r: dict[str, Any], limit: int) -> str:
     return " ".join((r.get("reason") or r.get("error") or "").split())[:limit]
 
 
+def configuration_of(r: dict[str, Any]) -> str:
+    """The variant a row measures a configuration of (its own where it is no other's: ``configuration_of``)."""
+    return r.get("configuration_of") or r["variant"]
+
+
 def group_key(r: dict[str, Any]) -> tuple:
     return (r["shape"], r["seq_len"], r["micro_batch_size"], r.get("tag", ""), r.get("grad_accum", 1))
 
@@ -115,9 +120,7 @@ def _best_peer(by_variant: dict[str, dict], fp8: bool = False) -> dict[str, Any]
     best = max(fastest.values(), key=lambda r: r["tokens_per_s_per_gpu"])
     base = "twinkle_lora_fp8" if fp8 else "twinkle_lora"
     configurations = [
-        r
-        for r in by_variant.values()
-        if (r["variant"] == base or r.get("configuration_of") == base) and r.get("tokens_per_s_per_gpu")
+        r for r in by_variant.values() if configuration_of(r) == base and r.get("tokens_per_s_per_gpu")
     ]
     fastest_ours = max(configurations, key=lambda r: r["tokens_per_s_per_gpu"], default={})
     ours = fastest_ours.get("tokens_per_s_per_gpu")
@@ -216,8 +219,7 @@ def targets(results: list[dict[str, Any]], ratio_table: dict[str, dict]) -> list
                 target = f"{r['variant']} MFU >= {MFU_TARGET} (dense 8B shape)"
                 checks.append(_judged(group, target, r["mfu"], MFU_TARGET, None, cpu))
         full_depth_8b = r["shape"] == LORA_8B_SHAPE and (r["seq_len"], r["micro_batch_size"]) == (4096, 1)
-        ours = r["variant"] == "twinkle_lora" or r.get("configuration_of") == "twinkle_lora"
-        if full_depth_8b and ours and r.get("grad_accum", 1) == 1:  # (c) in each configuration
+        if full_depth_8b and configuration_of(r) == "twinkle_lora" and r.get("grad_accum", 1) == 1:
             v = r["variant"]
             target = f"{v} tokens/s >= {LORA_8B_TOKENS_TARGET:,.0f} (Qwen3-8B, all 36 layers)"
             checks.append(_judged(group, target, r["tokens_per_s_per_gpu"], LORA_8B_TOKENS_TARGET, None, cpu))

@@ -206,12 +206,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or preset["steps"]
     if args.variants is None:
         peers_only = preset.get("variants") == "lora"  # (c) in each configuration, and every LoRA peer
-
-        def lora_peers(v) -> bool:
-            ours = v.name == "twinkle_lora" or v.configuration_of == "twinkle_lora"
-            return ours or (v.peer is not None and not v.fp8)
-
-        args.variants = [v.name for v in VARIANTS.values() if (lora_peers(v) if peers_only else v.default)]
+        args.variants = [
+            v.name
+            for v in VARIANTS.values()
+            if (v.base == "twinkle_lora" or (v.peer is not None and not v.fp8) if peers_only else v.default)
+        ]
     args.layers = [f"{s}={n}" for s, n in preset.get("layers", {}).items()] + args.layers
     if args.load_layouts is None:
         args.load_layouts = preset.get("load_layouts", [])

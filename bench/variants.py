@@ -56,6 +56,11 @@ class Variant:
     # variant's figure against the best peer, as it takes each peer framework's fastest
     configuration_of: str | None = None
 
+    @property
+    def base(self) -> str:
+        """The variant this one is a configuration of (itself where it is no other's)."""
+        return self.configuration_of or self.name
+
     def settings(self, s: Settings) -> Settings:
         """The settings this variant builds under: its own CUDA graphs and FP8's flags on top of ``s``."""
         s = dataclasses.replace(s, cuda_graphs=self.cuda_graphs) if self.cuda_graphs else s
