@@ -963,8 +963,8 @@ def test_report_never_judges_noise_or_cpu():
 
 
 def test_peers_preset_and_peer_kits(tmp_path, monkeypatch):
-    """``--preset peers``: (c) eager and under CUDA graphs, and every LoRA peer, Qwen3-8B at its 36 layers (a later --layers wins); a
-    peer's kit folder goes first on sys.path only when installed."""
+    """``--preset peers``: (c) eager and under CUDA graphs, and every LoRA peer, Qwen3-8B at its 36 layers
+    (a later --layers wins); a peer's kit folder goes first on sys.path only when installed."""
     from bench import peer_kits
     from bench.run import parse_args
     from bench.variants import VARIANTS
