@@ -44,3 +44,14 @@ def fp32_router(kind: str, dtype: torch.dtype) -> dict:
     differently from transformers' exact fp32 GEMM (measured on H200: max |Δ| 0.80, mean 4.0e-3 with
     the default, 3.7e-3 / 5.3e-4 with fp64; scripts/gpu/diagnose_moe_parity.py). fp64 takes torch's GEMM."""
     return {"moe_router_dtype": "fp64"} if "moe" in kind and dtype == torch.float32 else {}
+
+
+def fp8_available() -> bool:
+    """A CUDA GPU on which Transformer Engine runs FP8 GEMMs (compute capability 8.9+)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    except ImportError:
+        return False
+    return FP8GlobalStateManager.is_fp8_available()[0]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpu_checks import Evidence
+from gpu_checks import Evidence, fp8_available
 from test_launch_gpu import ROOT, hf_loss, pretrain
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,23 +29,16 @@ ITERS, WARMUP_ITERS = 300, 20
 # one micro-batch of 8 rows per iteration: the same tokens as 4 micro-batches of 2 rows, with a quarter of
 # the host's kernel launches per iteration (the two 301-iteration runs have to fit one device call)
 SEQ, MICRO_BATCH, GLOBAL_BATCH = 1024, 8, 8
+# current scaling (each tensor scaled by its own amax) and megatron's delayed scaling (by the amax history,
+# --fp8-amax-history-len 1 by default)
+FP8_RECIPES = ("tensorwise", "delayed")
 EVIDENCE = Evidence("fp8-summary.json")
-
-
-def _fp8_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-    except ImportError:
-        return False
-    return FP8GlobalStateManager.is_fp8_available()[0]
 
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not _fp8_available(), reason="needs a CUDA GPU with FP8 (compute capability 8.9+) and TE"
+        not fp8_available(), reason="needs a CUDA GPU with FP8 (compute capability 8.9+) and TE"
     ),
     pytest.mark.skipif(not ROOT, reason="needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT"),
 ]
@@ -147,34 +140,42 @@ def lora_run(text_run: dict, name: str, *extra: str) -> tuple[dict[int, float], 
 def test_fp8_lora_converges_like_bf16_and_exports_the_same_adapter(text_run):
     from safetensors import safe_open
 
-    # the two runs side by side on the one GPU (each its own torchrun on a free port), so that the test
-    # fits one device call
-    with ThreadPoolExecutor(2) as pool:
+    # bf16 and each FP8 recipe side by side on the one GPU (each its own torchrun on a free port), so that
+    # the test fits one device call
+    with ThreadPoolExecutor(1 + len(FP8_RECIPES)) as pool:
         bf16_run = pool.submit(lora_run, text_run, "bf16")
-        fp8_run = pool.submit(lora_run, text_run, "fp8", "--fp8-format", "hybrid", "--fp8-recipe", "delayed")
-        (bf16, bf16_export, _), (fp8, fp8_export, dump) = bf16_run.result(), fp8_run.result()
-    rel = {i: abs(fp8[i] - bf16[i]) / bf16[i] for i in range(WARMUP_ITERS + 1, ITERS + 1)}
-    worst = max(rel, key=rel.get)
-    exported = hf_loss(text_run["hf"], dump, adapter=fp8_export)
+        fp8_runs = {
+            r: pool.submit(lora_run, text_run, f"fp8-{r}", "--fp8-format", "hybrid", "--fp8-recipe", r)
+            for r in FP8_RECIPES
+        }
+        bf16, bf16_export, _ = bf16_run.result()
+        fp8_results = {r: run.result() for r, run in fp8_runs.items()}
 
     def tensors(adapter: Path) -> dict[str, tuple]:
         with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
             return {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()}
 
-    EVIDENCE.record(
-        "fp8-lora-qwen3-1.7b-shape",
-        iterations=ITERS,
-        bf16={i: bf16[i] for i in (1, WARMUP_ITERS, 100, 200, ITERS)},
-        fp8={i: fp8[i] for i in (1, WARMUP_ITERS, 100, 200, ITERS)},
-        max_rel_after_warmup=rel[worst],
-        worst_iteration=worst,
-        megatron_fp8_iter301=fp8[ITERS + 1],
-        peft_export_iter301=exported,
-    )
+    checks = {}
+    for recipe, (fp8, fp8_export, dump) in fp8_results.items():
+        rel = {i: abs(fp8[i] - bf16[i]) / bf16[i] for i in range(WARMUP_ITERS + 1, ITERS + 1)}
+        worst = max(rel, key=rel.get)
+        exported = hf_loss(text_run["hf"], dump, adapter=fp8_export)
+        EVIDENCE.record(
+            f"fp8-{recipe}-lora-qwen3-1.7b-shape",
+            iterations=ITERS,
+            max_rel_after_warmup=rel[worst],
+            worst_iteration=worst,
+            megatron_fp8_iter301=fp8[ITERS + 1],
+            peft_export_iter301=exported,
+            bf16_losses=[bf16[i] for i in sorted(bf16)],
+            fp8_losses=[fp8[i] for i in sorted(fp8)],
+        )
+        checks[recipe] = (worst, rel[worst], exported, fp8, fp8_export)
     assert bf16[ITERS] < 0.8 * bf16[1], (bf16[1], bf16[ITERS])  # it trained
-    assert rel[worst] <= FP8_RTOL, (worst, fp8[worst], bf16[worst])
-    assert abs(exported - fp8[ITERS + 1]) <= FP8_RTOL * fp8[ITERS + 1], (exported, fp8[ITERS + 1])
-    # the FP8 run's adapter is a bf16 run's: the same tensors, shapes and dtypes, the same PEFT config
-    assert tensors(fp8_export) == tensors(bf16_export)
-    config = json.loads((fp8_export / "adapter_config.json").read_text())
-    assert config == json.loads((bf16_export / "adapter_config.json").read_text())
+    for recipe, (worst, worst_rel, exported, fp8, fp8_export) in checks.items():
+        assert worst_rel <= FP8_RTOL, (recipe, worst, fp8[worst], bf16[worst])
+        assert abs(exported - fp8[ITERS + 1]) <= FP8_RTOL * fp8[ITERS + 1], (recipe, exported, fp8[ITERS + 1])
+        # the FP8 run's adapter is a bf16 run's: the same tensors, shapes and dtypes, the same PEFT config
+        assert tensors(fp8_export) == tensors(bf16_export), recipe
+        config = json.loads((fp8_export / "adapter_config.json").read_text())
+        assert config == json.loads((bf16_export / "adapter_config.json").read_text()), recipe

@@ -168,7 +168,13 @@ def link_input_recipes(chunk: torch.nn.Module) -> None:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     def norm_fn(norm: Any) -> Callable | None:
-        return None if isinstance(norm, IdentityOp) else getattr(norm, "forward", None)
+        if isinstance(norm, IdentityOp):
+            return None
+        if type(norm).__module__.startswith("transformer_engine."):
+            from .te_layers import te_norm_recompute
+
+            return te_norm_recompute(norm)
+        return getattr(norm, "forward", None)
 
     for name, module in chunk.named_modules():
         if isinstance(module, TransformerLayer):

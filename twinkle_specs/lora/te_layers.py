@@ -12,6 +12,7 @@ tokens where it is linked to the router (:class:`~twinkle_specs.lora.recompute.R
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +33,43 @@ from .experts import (
 )
 from .layers import LoraLayerMixin, LoraLinearMixin
 from .recompute import recompute_allowed
+
+
+def te_norm_recompute(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How an adapter after a TE norm recomputes its input in backward: TE's RMSNorm kernel called as a
+    function with the module's weight, epsilon, gamma rule and forward SM margin, as the module's training
+    forward calls it. Not the module itself: TE's norms are fusible operations, and one called outside
+    FP8 autocast (as the backward is) drops its quantization state (``BasicOperation.reset_recipe_state``),
+    which the next forward under FP8 builds again and which TE's CUDA graphs refuse to capture ("Saved FP8
+    metadata does not match operation's FP8 metadata"). Another TE norm (LayerNorm) or a TE without that
+    kernel: the module's forward, as before. :class:`~.recompute.InputRecipe` checks bit for bit on first
+    use either way."""
+    try:
+        from transformer_engine.pytorch.constants import TE_DType
+        from transformer_engine.pytorch.ops import RMSNorm
+        from transformer_engine_torch import rmsnorm_fwd
+    except ImportError:
+        return getattr(norm, "forward", None)
+    if not isinstance(norm, RMSNorm):
+        return getattr(norm, "forward", None)
+
+    def rmsnorm(x: torch.Tensor) -> torch.Tensor:
+        weight = norm.weight
+        margin = getattr(norm, "_sm_margins", {}).get("forward", 0)
+        rows = x.contiguous().view(-1, weight.numel())
+        y, _, _ = rmsnorm_fwd(
+            rows,
+            weight.view(-1),
+            norm.eps,
+            None,
+            None,
+            TE_DType[weight.dtype],
+            margin,
+            norm.zero_centered_gamma,
+        )
+        return y.view(x.shape)
+
+    return rmsnorm
 
 
 class FrozenFp8WeightCache:
