@@ -8,9 +8,9 @@ can recompute it from a checkout::
     find twinkle_specs patches bench -name '*.py' -not -path 'bench/results/*' | LC_ALL=C sort \\
         | xargs sha256sum | sha256sum
 
-The commit is git's HEAD when git works here, else the one written by ``bench/stage.sh`` (the device
-machine's copy of the tree has no usable ``.git``) or by an earlier call into the same ``--out``; a
-commit is recorded as is only when its sources hash to the tree's, otherwise with " (modified)".
+The commit is git's HEAD when its sources hash to the tree's; else one written by ``bench/stage.sh`` (the
+device machine's copy of the tree may have no ``.git``, or a stale one) or by an earlier call into the same
+``--out`` whose hash is the tree's; else HEAD (or, without git, the staged commit) with " (modified)".
 Nothing is taken from the environment. Standard library only: bench/stage.sh runs this file as a
 script (``python3 bench/provenance.py`` prints a COMMIT file).
 """
@@ -106,12 +106,12 @@ def provenance(root: Path, commit_files: list[Path]) -> dict[str, str | None]:
     are COMMIT files to fall back on, in order, where git gives no commit."""
     sha = source_sha256(root)
     commit = git_head(root)
-    if commit is None:
+    if commit is None or commit.endswith(MODIFIED):
         claims = [c for f in commit_files if (c := read_commit_file(f)) and c[1] is not None]
         verified = [c for c, claimed_sha in claims if claimed_sha == sha]
-        if verified:
+        if verified:  # also over a stale .git whose HEAD is not the tree that ran
             commit = verified[0]
-        elif claims:
+        elif commit is None and claims:
             commit = claims[0][0].removesuffix(MODIFIED) + MODIFIED
     return {"git_commit": commit, "source_sha256": sha}
 

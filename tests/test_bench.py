@@ -727,6 +727,13 @@ def test_provenance_is_the_tree_that_ran_not_the_environment(tmp_path, monkeypat
     edited = provenance(repo, [])
     assert edited == {"git_commit": f"{head} (modified)", "source_sha256": _recipe_hash(repo)}
     assert edited["source_sha256"] != clean["source_sha256"]
+    # a stale .git (HEAD not the tree that ran) beside a COMMIT file written for this tree: the file holds
+    ran = tmp_path / "RAN"
+    ran.write_text(commit_file_text("feedc0de", edited["source_sha256"]))
+    assert provenance(repo, [ran]) == {"git_commit": "feedc0de", "source_sha256": edited["source_sha256"]}
+    stale = tmp_path / "STALE"
+    stale.write_text(commit_file_text("feedc0de", clean["source_sha256"]))
+    assert provenance(repo, [stale]) == edited
     # a copy without .git: the COMMIT file's commit holds only for the sources it was written for
     copy = tmp_path / "copy"
     shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git"))
