@@ -20,7 +20,8 @@ class Settings:
     # of grad_accum x micro_batch_size sequences on one GPU
     grad_accum: int = 1
     fp8_format: str = "hybrid"  # the FP8 variants' --fp8-format (hybrid: E4M3 forward, E5M2 gradients)
-    fp8_recipe: str = "delayed"  # the FP8 variants' --fp8-recipe: delayed | tensorwise | blockwise
+    # the FP8 variants' --fp8-recipe: tensorwise (the one docs/lora.md recommends for LoRA) | delayed | blockwise
+    fp8_recipe: str = "tensorwise"
     warmup: int = 3
     steps: int = 10
     dtype: str = "bf16"  # bf16 | fp32
