@@ -210,7 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.variants = [
             v.name
             for v in VARIANTS.values()
-            if (v.base == "twinkle_lora" or (v.peer is not None and not v.fp8) if peers_only else v.default)
+            if ((v.base == "twinkle_lora" or (v.peer is not None and not v.fp8)) if peers_only else v.default)
         ]
     args.layers = [f"{s}={n}" for s, n in preset.get("layers", {}).items()] + args.layers
     if args.load_layouts is None:

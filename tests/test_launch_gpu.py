@@ -339,10 +339,16 @@ def test_lora_cuda_graphs_match_eager(e2e, lora_eager_qwen3, impl):
         iters=8,
         dump=False,
     )
+    _check_graphs_match_eager(f"lora-qwen3-cuda-graphs-{impl}", impl, graphs, eager, log)
+
+
+def _check_graphs_match_eager(name: str, impl: str, graphs: dict, eager: dict, log: str) -> None:
+    """A CUDA-graph run against its eager run: the capture logged, the same 8 iterations, every loss
+    within 2e-3 relative, and training (iteration 8 below iteration 1)."""
     assert re.search(GRAPH_SIGN[impl], log), f"no CUDA-graph capture logged ({GRAPH_SIGN[impl]!r})"
     assert sorted(graphs) == sorted(eager) == list(range(1, 9)), (sorted(graphs), sorted(eager))
     diffs = {i: abs(graphs[i] - eager[i]) / eager[i] for i in eager}
-    EVIDENCE.record(f"lora-qwen3-cuda-graphs-{impl}", graphs=graphs, eager=eager, max_rel=max(diffs.values()))
+    EVIDENCE.record(name, graphs=graphs, eager=eager, max_rel=max(diffs.values()))
     assert max(diffs.values()) <= 2e-3, diffs
     assert graphs[8] < graphs[1], graphs
 
@@ -358,21 +364,23 @@ def test_fp8_lora_te_cuda_graphs_match_eager(e2e):
     ("Saved FP8 metadata does not match operation's FP8 metadata")."""
     from concurrent.futures import ThreadPoolExecutor
 
-    root, impl = e2e["root"], ("--cuda-graph-impl", "transformer_engine")
+    root, graphs_flags = e2e["root"], ("--cuda-graph-impl", "transformer_engine")
     with ThreadPoolExecutor(2) as pool:  # two small runs side by side, each its own torchrun
         eager_run = pool.submit(
             pretrain, e2e["qwen3"], root / "fp8-eager", *GRAPH_RUN, *FP8_FLAGS, iters=8, dump=False
         )
         graphs_run = pool.submit(
-            pretrain, e2e["qwen3"], root / "fp8-graphs", *GRAPH_RUN, *FP8_FLAGS, *impl, iters=8, dump=False
+            pretrain,
+            e2e["qwen3"],
+            root / "fp8-graphs",
+            *GRAPH_RUN,
+            *FP8_FLAGS,
+            *graphs_flags,
+            iters=8,
+            dump=False,
         )
         (eager, _, _), (graphs, _, log) = eager_run.result(), graphs_run.result()
-    assert re.search(GRAPH_SIGN["transformer_engine"], log), "no CUDA-graph capture logged"
-    assert sorted(graphs) == sorted(eager) == list(range(1, 9)), (sorted(graphs), sorted(eager))
-    diffs = {i: abs(graphs[i] - eager[i]) / eager[i] for i in eager}
-    EVIDENCE.record("fp8-lora-qwen3-te-cuda-graphs", graphs=graphs, eager=eager, max_rel=max(diffs.values()))
-    assert max(diffs.values()) <= 2e-3, diffs
-    assert graphs[8] < graphs[1], graphs
+    _check_graphs_match_eager("fp8-lora-qwen3-te-cuda-graphs", "transformer_engine", graphs, eager, log)
 
 
 @two_gpus()
