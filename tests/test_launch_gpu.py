@@ -361,7 +361,9 @@ def test_fp8_lora_te_cuda_graphs_match_eager(e2e):
     """LoRA on an FP8 base under TE's CUDA graphs (the benchmark's (h-graphs)) trains as its eager run
     does. The adapters' norm recompute in backward leaves the TE norms' FP8 state alone
     (``te_layers.te_norm_recompute``); calling the norm module there dropped it, and TE refused the capture
-    ("Saved FP8 metadata does not match operation's FP8 metadata")."""
+    ("Saved FP8 metadata does not match operation's FP8 metadata"). The graphs keep the frozen base's FP8
+    weight copies from the third iteration on (delayed scaling settles in two: ``lora.fp8_copies``), as the
+    eager run's linears do."""
     from concurrent.futures import ThreadPoolExecutor
 
     root, graphs_flags = e2e["root"], ("--cuda-graph-impl", "transformer_engine")
@@ -381,6 +383,7 @@ def test_fp8_lora_te_cuda_graphs_match_eager(e2e):
         )
         (eager, _, _), (graphs, _, log) = eager_run.result(), graphs_run.result()
     _check_graphs_match_eager("fp8-lora-qwen3-te-cuda-graphs", "transformer_engine", graphs, eager, log)
+    assert "the frozen base's FP8 weight copies are kept from its iteration 3 on" in log, log[-3000:]
 
 
 @two_gpus()

@@ -165,6 +165,18 @@ class QwenTransformerLayer(TransformerLayer):
             submodules = qwen_layer_submodules(config, _global_layer_index(config, layer_number, kwargs))
         super().__init__(config, submodules, layer_number, *args, **kwargs)
 
+    def _get_te_cuda_graph_replay_args(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
+        """Megatron's replay arguments for this layer's TE CUDA graph, where a LoRA model's frozen base
+        keeps its FP8 weight copies across iterations (``lora_fp8_copies``, set by ``prepare_lora_model``:
+        :mod:`twinkle_specs.lora.fp8_copies`)."""
+        graph_args, graph_kwargs = super()._get_te_cuda_graph_replay_args(*args, **kwargs)
+        copies = getattr(self, "lora_fp8_copies", None)
+        if copies is not None and "is_first_microbatch" in graph_kwargs:
+            graph_kwargs["is_first_microbatch"] = copies.first_microbatch(
+                self, graph_kwargs["is_first_microbatch"]
+            )
+        return graph_args, graph_kwargs
+
 
 def _global_layer_index(config: TransformerConfig, layer_number: int, kwargs: dict[str, Any]) -> int:
     """0-based index in the whole model of the stage-local, 1-based ``layer_number`` (as TransformerLayer

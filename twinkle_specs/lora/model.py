@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from ..parallel import is_adapter_param, model_chunks
+from .fp8_copies import share_frozen_fp8_copies
 from .layers import LoraBank, LoraLayerMixin
 from .recompute import InputRecipe, RoutedTokens
 
@@ -53,6 +54,8 @@ def prepare_lora_model(model) -> None:
             chunk._lora_input_hook = embedding.register_forward_hook(_require_grad_hook)
         link_input_recipes(chunk)
     bank_lora_factors(model)
+    for chunk in model_chunks(model):
+        share_frozen_fp8_copies(chunk)
 
 
 def bank_lora_factors(model) -> None:

@@ -31,6 +31,7 @@ from .experts import (
     group_ends,
     grouped_mm_fits,
 )
+from .fp8_copies import copies_to_settle, weights_stamp
 from .layers import LoraLayerMixin, LoraLinearMixin
 from .recompute import recompute_allowed
 
@@ -81,7 +82,7 @@ class FrozenFp8WeightCache:
     as every base weight is frozen and unchanged (the same storage and version counter: a load, a merge or
     an unmerge writes the weight in place and so requantizes it). Each iteration then skips reading every
     base weight in bf16 and writing it twice in FP8. Without FP8, or with a base weight that trains, the
-    flag is megatron's."""
+    flag is megatron's. Under TE's CUDA graphs the model chunk decides instead (:mod:`.fp8_copies`)."""
 
     @property
     def is_first_microbatch(self) -> bool:
@@ -110,26 +111,15 @@ class FrozenFp8WeightCache:
         return stamp == self._lora_base_stamp()
 
     def _lora_copies_to_settle(self) -> int:
-        """Training quantizations of an unchanged weight until its FP8 copy is final. Delayed scaling
-        quantizes with a scale from amaxes seen before (the initial 1.0 the first time, which flushes small
-        weights to FP8's subnormals), so its second copy is the first scaled by the weight's own amax; the
-        current-scaling recipes (tensorwise, blockwise, mxfp8) scale every copy by the weight itself."""
-        recipe = getattr(self.config, "fp8_recipe", None)
-        return {"delayed": 2, "tensorwise": 1, "blockwise": 1, "mxfp8": 1}.get(
-            getattr(recipe, "value", recipe), 0
-        )
+        return copies_to_settle(getattr(self, "config", None))
 
     def _lora_base_stamp(self) -> tuple | None:
-        """What identifies the base weights' values (storage and in-place version of each); None where the
-        FP8 copy may not be kept (no FP8, a recipe whose quantizer this does not know, or a base weight
-        that trains)."""
-        config = getattr(self, "config", None)
-        if config is None or not getattr(config, "fp8", None) or not self._lora_copies_to_settle():
+        """What identifies the base weights' values (:func:`~.fp8_copies.weights_stamp`); None where the FP8
+        copy may not be kept (no FP8, a recipe whose quantizer this does not know, or a base weight that
+        trains)."""
+        if not self._lora_copies_to_settle():
             return None
-        weights = [w for _, w in self.lora_base_weights()]
-        if any(w.requires_grad for w in weights):
-            return None
-        return tuple((w.data_ptr(), w._version) for w in weights)
+        return weights_stamp([w for _, w in self.lora_base_weights()])
 
 
 class LoraTEColumnParallelLinear(FrozenFp8WeightCache, LoraLinearMixin, TEColumnParallelLinear):
