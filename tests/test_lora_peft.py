@@ -3,6 +3,8 @@ and the errors for bad targets and mismatched adapters."""
 
 from __future__ import annotations
 
+import json
+
 import peft
 import pytest
 import torch
@@ -84,6 +86,20 @@ def test_megatron_adapter_into_peft(kind, targets, lora_checkpoints, tmp_path, s
         ref = ref_model(tokens()).logits
     assert (ours - base).abs().max() > 1e-2
     assert (ours - ref).abs().max().item() <= TOL
+
+
+def test_adapter_config_is_the_same_file_in_every_process(tmp_path):
+    """peft writes the fields it keeps as sets (target_modules) in hash order, which changes with each
+    process's PYTHONHASHSEED; the export sorts them, so one adapter always gives one adapter_config.json
+    (an FP8 run's export compares equal to a bf16 run's on the GPU), and peft reads it back the same."""
+    from twinkle_specs.lora.peft_io import write_peft_config
+
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=4, target_modules=names, target_parameters=["mlp.experts.down_proj"])
+    write_peft_config(config, tmp_path)
+    fields = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert fields["target_modules"] == sorted(names), fields["target_modules"]
+    assert peft.LoraConfig.from_pretrained(str(tmp_path)).target_modules == set(names)
 
 
 def test_unknown_target_names_the_target():

@@ -19,10 +19,12 @@ per TP rank, Qwen3-Next's per key head). A slot's B rows then follow the base we
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -267,8 +269,21 @@ def export_peft_adapter(
                 {"format": "pt"},
             )
             shared = bool(model_chunks(model)[0].config.moe_shared_expert_intermediate_size)
-            _peft_config(lora, sites, shared, base).save_pretrained(str(staging))
+            write_peft_config(_peft_config(lora, sites, shared, base), staging)
     return Path(out_dir) if tensors is not None else None
+
+
+def write_peft_config(config: Any, directory: Path) -> None:
+    """``config.save_pretrained(directory)`` with the fields peft keeps as sets (``target_modules``...)
+    sorted: peft writes them in hash order, which changes from one process to the next, so the same adapter
+    would not give the same adapter_config.json twice."""
+    config.save_pretrained(str(directory))
+    path = directory / ADAPTER_CONFIG
+    fields = json.loads(path.read_text())
+    for key, value in vars(config).items():
+        if isinstance(value, set) and isinstance(fields.get(key), list):
+            fields[key] = sorted(fields[key])
+    path.write_text(json.dumps(fields, indent=2, sort_keys=True))
 
 
 def _peft_config(lora: LoraConfig, sites: Sites, shared_expert: bool, base: str):
