@@ -46,6 +46,26 @@ def weights_stamp(weights: list[torch.Tensor]) -> tuple | None:
     return tuple((w.data_ptr(), w._version) for w in weights)
 
 
+class Fp8CopyHistory:
+    """The training quantizations of a frozen base's FP8 copy so far: of which weights (their stamp) and
+    how many in a row; the eager linears (:class:`~.te_layers.FrozenFp8WeightCache`) and a chunk's graphs
+    (:class:`FrozenFp8Copies`) keep one each."""
+
+    def __init__(self) -> None:
+        self.stamp: tuple | None = None
+        self.runs = 0
+
+    def quantized(self, stamp: tuple | None) -> None:
+        """A copy was made of the weights that ``stamp`` identifies (None: one not to keep)."""
+        self.runs = self.runs + 1 if stamp is not None and stamp == self.stamp else 1
+        self.stamp = stamp
+
+    def final(self, stamp: tuple | None, settle: int) -> bool:
+        """Whether the copy is the one every later training forward would make of the weights that ``stamp``
+        identifies: the last ``settle`` quantizations were of these very weights."""
+        return stamp is not None and stamp == self.stamp and self.runs >= settle
+
+
 class FrozenFp8Copies:
     """Whether a model chunk's graphed layers quantize their weights again on a first micro-batch.
 
@@ -58,8 +78,7 @@ class FrozenFp8Copies:
     def __init__(self, weights: list[torch.Tensor], settle: int):
         self._weights = weights
         self._settle = settle
-        self._stamp: tuple | None = None
-        self._runs = 0
+        self._history = Fp8CopyHistory()
         self._lead: object | None = None
         self._quantize = True
         self.kept_from: int | None = None  # the chunk's first iteration that kept its copies
@@ -75,16 +94,11 @@ class FrozenFp8Copies:
 
     def _must_quantize(self) -> bool:
         stamp = weights_stamp(self._weights)
-        if stamp is None:
-            return True
-        if stamp != self._stamp:
-            self._stamp, self._runs = stamp, 1
-            return True
-        if self._runs < self._settle:
-            self._runs += 1
+        if not self._history.final(stamp, self._settle):
+            self._history.quantized(stamp)
             return True
         if self.kept_from is None:
-            self.kept_from = self._runs + 1
+            self.kept_from = self._history.runs + 1
             _announce(f"the frozen base's FP8 weight copies are kept from its iteration {self.kept_from} on")
         return False
 

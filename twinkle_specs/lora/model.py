@@ -53,9 +53,8 @@ def prepare_lora_model(model) -> None:
         if embedding is not None and not getattr(chunk, "_lora_input_hook", None):
             chunk._lora_input_hook = embedding.register_forward_hook(_require_grad_hook)
         link_input_recipes(chunk)
-    bank_lora_factors(model)
-    for chunk in model_chunks(model):
         share_frozen_fp8_copies(chunk)
+    bank_lora_factors(model)
 
 
 def bank_lora_factors(model) -> None:

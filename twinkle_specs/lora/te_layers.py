@@ -31,12 +31,12 @@ from .experts import (
     group_ends,
     grouped_mm_fits,
 )
-from .fp8_copies import copies_to_settle, weights_stamp
+from .fp8_copies import Fp8CopyHistory, copies_to_settle, weights_stamp
 from .layers import LoraLayerMixin, LoraLinearMixin
 from .recompute import recompute_allowed
 
 
-def te_norm_recompute(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def te_norm_recompute(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """How an adapter after a TE norm recomputes its input in backward: TE's RMSNorm kernel called as a
     function with the module's weight, epsilon, gamma rule and forward SM margin, as the module's training
     forward calls it. Not the module itself: TE's norms are fusible operations, and one called outside
@@ -50,9 +50,9 @@ def te_norm_recompute(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.T
         from transformer_engine.pytorch.ops import RMSNorm
         from transformer_engine_torch import rmsnorm_fwd
     except ImportError:
-        return getattr(norm, "forward", None)
-    if not isinstance(norm, RMSNorm):
-        return getattr(norm, "forward", None)
+        RMSNorm = None
+    if RMSNorm is None or not isinstance(norm, RMSNorm):
+        return norm.forward
 
     def rmsnorm(x: torch.Tensor) -> torch.Tensor:
         weight = norm.weight
@@ -91,24 +91,14 @@ class FrozenFp8WeightCache:
     @is_first_microbatch.setter
     def is_first_microbatch(self, value: bool) -> None:
         state = self.__dict__
+        history = state.setdefault("_lora_copies", Fp8CopyHistory())
         if not value and state.get("_lora_first_microbatch", True):
             # a forward has just quantized the weight; a training one, so the copy holds the transpose
             # that the backward's input-gradient GEMM reads too
-            stamp = self._lora_base_stamp() if torch.is_grad_enabled() else None
-            same = stamp is not None and stamp == state.get("_lora_stamp")
-            state["_lora_stamp"], state["_lora_runs"] = stamp, state.get("_lora_runs", 0) + 1 if same else 1
-        elif value and self._lora_copy_is_final():
+            history.quantized(self._lora_base_stamp() if torch.is_grad_enabled() else None)
+        elif value and history.final(self._lora_base_stamp(), self._lora_copies_to_settle()):
             return  # the frozen base is as it was quantized: TE keeps its FP8 copy
         state["_lora_first_microbatch"] = value
-
-    def _lora_copy_is_final(self) -> bool:
-        """Whether TE's FP8 copy is the one every later training forward would make again: the last
-        quantizations were of these very base weights, as many as the recipe needs to settle."""
-        state = self.__dict__
-        stamp = state.get("_lora_stamp")
-        if stamp is None or state["_lora_runs"] < self._lora_copies_to_settle():
-            return False
-        return stamp == self._lora_base_stamp()
 
     def _lora_copies_to_settle(self) -> int:
         return copies_to_settle(getattr(self, "config", None))
