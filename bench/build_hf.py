@@ -69,9 +69,16 @@ def prepare(hf_dir: Path, s: Settings, peft_lora: bool = False, tuning: Tuning =
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=s.torch_dtype())
     result: dict[str, Any] = {"impl": f"transformers {model.config._attn_implementation}"}
     if "linear_attention" in (getattr(config, "layer_types", None) or ()):
-        # transformers' Gated DeltaNet takes fla's kernel whenever fla is installed, else its torch rule
-        fla = importlib.util.find_spec("fla") is not None
-        result["gdn_rule"] = "fla chunk_gated_delta_rule" if fla else "torch reference (transformers')"
+        # transformers' Gated DeltaNet takes fla's kernel whenever fla is installed, else its torch rule;
+        # where fla refuses its gated chunk_bwd_dqkwg, the torch one that twinkle's layers use stands in
+        result["gdn_rule"] = "torch reference (transformers')"
+        if importlib.util.find_spec("fla") is not None:
+            from twinkle_specs import gdn_dqkwg
+            from twinkle_specs.gdn import fla_backward_refused, training_rule
+
+            result["gdn_rule"] = training_rule(dev.type == "cuda")
+            if dev.type == "cuda" and fla_backward_refused():
+                gdn_dqkwg.enable()
     experts = getattr(model.config, "_experts_implementation", None)
     if experts and getattr(config, "num_experts", None):
         result["impl"] += f", experts {experts}"

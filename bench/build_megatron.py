@@ -124,11 +124,18 @@ def stock_te_model(hf_dir: Path, s: Settings, overrides: dict[str, Any]) -> tupl
             get_transformer_block_with_experimental_attention_variant_spec as block_spec,
         )
 
+        from twinkle_specs import gdn_dqkwg
+        from twinkle_specs.gdn import fla_backward_refused, training_rule
+
         spec: Any = block_spec(config=config)
         facts = {
             "spec": "get_transformer_block_with_experimental_attention_variant_spec",
-            "gdn_rule": "fla chunk_gated_delta_rule (megatron-core's GatedDeltaNet has no other)",
+            # megatron-core's GatedDeltaNet calls fla's rule (it has no other); where fla refuses its gated
+            # chunk_bwd_dqkwg, the torch one that twinkle's layers use stands in, for both alike
+            "gdn_rule": training_rule(on_gpu()),
         }
+        if fla_backward_refused():
+            gdn_dqkwg.enable()
     else:
         spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts,
@@ -494,7 +501,7 @@ def _full_iteration_step(wrapped, finish, config, batch: Batch, s: Settings):
 
 def stock_te_unavailable(hf_dir: Path, s: Settings) -> str | None:
     """Why (a) cannot run here: it needs CUDA and Transformer Engine, and for the hybrid models fla
-    (megatron-core's GatedDeltaNet refuses to be built without it) with a backward fla runs here."""
+    (megatron-core's GatedDeltaNet refuses to be built without it)."""
     if not on_gpu():
         return (
             "needs a CUDA GPU with Transformer Engine (get_gpt_layer_with_transformer_engine_spec); "
@@ -514,10 +521,6 @@ def stock_te_unavailable(hf_dir: Path, s: Settings) -> str | None:
                 "megatron-core's GatedDeltaNet (the stock spec of the hybrid models) needs "
                 "flash-linear-attention (pip install .[hybrid-gpu])"
             )
-        from twinkle_specs.gdn import fla_backward_refused
-
-        if why := fla_backward_refused():  # megatron-core's module has no torch fallback for training
-            return f"megatron-core's GatedDeltaNet trains on fla's kernels only; {why}"
     return None
 
 

@@ -405,7 +405,7 @@ def test_hybrid_config_moe_needs_no_dense_mlp_size(hybrid, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "hopper,triton,tilelang,trains_on_fla",
+    "hopper,triton,tilelang,fla_trains_alone",
     [
         (True, "3.6.0", False, False),  # torch 2.11's Triton on an H100: fla refuses its backward
         (True, "3.6.0", True, True),  # fla takes that kernel to its tilelang backend
@@ -413,12 +413,13 @@ def test_hybrid_config_moe_needs_no_dense_mlp_size(hybrid, tmp_path):
         (False, "3.6.0", False, True),  # not Hopper
     ],
 )
-def test_fla_rule_steps_aside_where_fla_refuses_its_backward(
-    hopper, triton, tilelang, trains_on_fla, monkeypatch, caplog
+def test_fla_rule_trains_with_the_torch_dqkwg_where_fla_refuses_its_own(
+    hopper, triton, tilelang, fla_trains_alone, monkeypatch, caplog
 ):
-    """fla 0.6 raises in the Gated DeltaNet backward on Hopper with Triton in [3.4, 3.7.1) (seen on the
-    H100 at the first training step): training takes the torch reference then, with one warning that
-    says why and what to install; forward-only calls keep fla's kernel."""
+    """fla 0.6 raises in one kernel of the Gated DeltaNet backward (the gated chunk_bwd_dqkwg) on Hopper
+    with Triton in [3.4, 3.7.1) (seen on the H100 at the first training step): a training call then gives
+    fla twinkle_specs.gdn_dqkwg's torch one and keeps fla's rule, with one warning that says why and what
+    to install; forward-only calls and every other setup use fla as it is."""
     import importlib.machinery
     import importlib.util
     import sys
@@ -452,23 +453,29 @@ def test_fla_rule_steps_aside_where_fla_refuses_its_backward(
         "find_spec",
         lambda name, *a: (object() if tilelang else None) if name == "tilelang" else real_find_spec(name, *a),
     )
+    from twinkle_specs import gdn_dqkwg
+
+    enabled = []
+    monkeypatch.setattr(gdn_dqkwg, "enable", lambda: enabled.append(1))
     gdn.fla_backward_refused.cache_clear()
     gdn._warn_once.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="twinkle_specs.gdn"):
             assert gdn._fla_rule(needs_grad=False) is rule
-            assert (gdn._fla_rule(needs_grad=True) is rule) == trains_on_fla
+            assert not enabled
+            assert gdn._fla_rule(needs_grad=True) is rule
             gdn._fla_rule(needs_grad=True)
             kernel = gdn.training_rule(on_cuda=True)  # what the benchmark records
     finally:
         gdn.fla_backward_refused.cache_clear()
         gdn._warn_once.cache_clear()
     warnings = [r.getMessage() for r in caplog.records if r.name == "twinkle_specs.gdn"]
-    assert (
-        kernel == "fla chunk_gated_delta_rule" if trains_on_fla else kernel.startswith("torch reference (")
-    ), kernel
-    if trains_on_fla:
-        assert not warnings
+    if fla_trains_alone:
+        assert kernel == "fla chunk_gated_delta_rule" and not warnings and not enabled, (kernel, warnings)
     else:
+        assert kernel.startswith(
+            "fla chunk_gated_delta_rule, chunk_bwd_dqkwg in torch (twinkle_specs.gdn_dqkwg"
+        ), kernel
+        assert len(enabled) == 2, enabled  # gdn_dqkwg.enable registers once itself (functools.cache)
         assert len(warnings) == 1, warnings
         assert f"Triton {triton}" in warnings[0] and "tilelang" in warnings[0], warnings

@@ -67,3 +67,57 @@ def test_hybrid_cuda_path_matches_transformers(kind, dtype, tmp_path_factory, gp
     # than the dense test models: transformers itself reaches cosine 0.9971 against its fp32 run).
     assert stats.mean_abs <= BF16_ERROR_RATIO * hf_err.mean_abs, (stats, hf_err)
     assert 1 - stats.cosine <= BF16_ERROR_RATIO * (1 - hf_err.cosine), (stats, hf_err)
+
+
+# fla's gated delta rule with its gated chunk_bwd_dqkwg in torch (twinkle_specs.gdn_dqkwg) against the
+# autograd of megatron-core's torch reference of the whole rule, fp32 inputs; bound: relative max |Δ| of
+# each gradient to that gradient's largest entry (fla's other kernels run TF32 dots)
+DQKWG_GRAD_RTOL = 2e-2
+
+
+@pytest.mark.parametrize("seq", [256, 300])  # whole chunks, and a partial last chunk
+def test_fla_rule_with_the_torch_dqkwg_matches_the_torch_reference(seq):
+    pytest.importorskip("fla", reason="needs flash-linear-attention (pip install .[hybrid-gpu])")
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
+
+    from twinkle_specs import gdn_dqkwg
+    from twinkle_specs.gdn import l2norm
+
+    gdn_dqkwg.enable()
+    calls = []
+    real = gdn_dqkwg.chunk_bwd_dqkwg
+    gdn_dqkwg.chunk_bwd_dqkwg = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        torch.manual_seed(0)
+        b, heads, dk, dv = 2, 4, 64, 128
+        inputs = {
+            "q": torch.randn(b, seq, heads, dk, device="cuda"),
+            "k": torch.randn(b, seq, heads, dk, device="cuda"),
+            "v": torch.randn(b, seq, heads, dv, device="cuda"),
+            "g": -torch.rand(b, seq, heads, device="cuda") * 0.5,  # log decay per token
+            "beta": torch.rand(b, seq, heads, device="cuda").sigmoid(),
+        }
+        do = torch.randn(b, seq, heads, dv, device="cuda")
+
+        def grads(run) -> dict[str, torch.Tensor]:
+            leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
+            out = run(**leaves)
+            out.backward(do)
+            return {n: t.grad for n, t in leaves.items()}
+
+        fla = grads(
+            lambda q, k, v, g, beta: chunk_gated_delta_rule(
+                q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True
+            )[0]
+        )
+        ref = grads(
+            lambda q, k, v, g, beta: torch_chunk_gated_delta_rule(l2norm(q), l2norm(k), v, g=g, beta=beta)[0]
+        )
+    finally:
+        gdn_dqkwg.chunk_bwd_dqkwg = real
+    assert calls, "fla did not call twinkle_specs.gdn_dqkwg.chunk_bwd_dqkwg"
+    rel = {n: ((fla[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in inputs}
+    EVIDENCE.record(f"fla-rule-torch-dqkwg-seq{seq}", grad_rel_max_abs=rel)
+    print(seq, rel)
+    assert max(rel.values()) <= DQKWG_GRAD_RTOL, rel

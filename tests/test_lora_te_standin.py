@@ -36,6 +36,7 @@ class _Linear(torch.nn.Module):
         super().__init__()
         self.config = config
         self.weight = torch.nn.Parameter(torch.randn(output_size, input_size) * 0.1)
+        self.is_first_microbatch = True  # as megatron's TE linears set it, before the LoRA mixin's own state
 
     def forward(self, x):
         return F.linear(x, self.weight), None
@@ -71,6 +72,7 @@ class _Grouped(torch.nn.Module):
             self.register_parameter(
                 f"weight{i}", torch.nn.Parameter(torch.randn(output_size, input_size) * 0.1)
             )
+        self.is_first_microbatch = True  # as megatron's TE grouped linears set it
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         return {}

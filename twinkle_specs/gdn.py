@@ -5,10 +5,12 @@ megatron-core's :class:`~megatron.core.ssm.gated_delta_net.GatedDeltaNet` refuse
 parameters, their layout (``in_proj`` rows [q; k; v; z; beta; alpha] of this TP rank, ``conv1d`` over
 [q; k; v], ``dt_bias``, ``A_log``, ``out_norm``, ``out_proj``), its distributed-checkpoint sharding and
 its gated output norm, and chooses the kernels per call: fla's chunked gated delta rule and
-``causal-conv1d`` on CUDA tensors when they are installed (fla's rule not for training where fla refuses
-its own backward: :func:`fla_backward_refused`), otherwise megatron-core's torch reference of the chunked
-rule and a depthwise ``conv1d`` (the portable path, as the SDPA core attention is for attention). The output norm multiplies by ``w`` (not ``1 + w``), as transformers' ``RMSNormGated`` does,
-whatever ``layernorm_zero_centered_gamma`` says for the model's other norms.
+``causal-conv1d`` on CUDA tensors when they are installed (where fla refuses one kernel of its own
+backward, :func:`fla_backward_refused`, that kernel runs in torch: :mod:`twinkle_specs.gdn_dqkwg`),
+otherwise megatron-core's torch reference of the chunked rule and a depthwise ``conv1d`` (the portable
+path, as the SDPA core attention is for attention). The output norm multiplies by ``w`` (not ``1 + w``),
+as transformers' ``RMSNormGated`` does, whatever ``layernorm_zero_centered_gamma`` says for the model's
+other norms.
 """
 
 from __future__ import annotations
@@ -33,19 +35,21 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _fla_rule(needs_grad: bool):
-    """fla's chunked gated delta rule, or None for the torch reference: fla is not installed, or a
-    backward is needed where fla refuses its own (:func:`fla_backward_refused`)."""
+    """fla's chunked gated delta rule, or None for the torch reference (fla is not installed). Where fla
+    refuses its gated ``chunk_bwd_dqkwg`` (:func:`fla_backward_refused`), a training call first gives fla
+    the torch one of :mod:`twinkle_specs.gdn_dqkwg`."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
     if needs_grad and (why := fla_backward_refused()):
+        from twinkle_specs import gdn_dqkwg
+
+        gdn_dqkwg.enable()
         _warn_once(
-            f"{why}: training runs megatron-core's torch reference of the chunked rule instead (correct, "
-            f"slower); forward-only calls still use fla. Install tilelang (or Triton >= 3.7.1) for fla's "
-            f"kernels in training."
+            f"{why}: that kernel (chunk_bwd_dqkwg) runs in torch (twinkle_specs.gdn_dqkwg), "
+            f"the rest of the rule on fla's kernels. Install tilelang (or Triton >= 3.7.1) for fla's own."
         )
-        return None
     return chunk_gated_delta_rule
 
 
@@ -70,13 +74,13 @@ def fla_backward_refused() -> str | None:
 
 def training_rule(on_cuda: bool) -> str:
     """Which chunked gated delta rule a training step of these layers runs here, and why (for reports:
-    the torch reference is correct but far slower than fla's kernel)."""
+    the torch reference is correct but far slower than fla's kernels)."""
     if not on_cuda:
         return "torch reference (host tensors)"
     if importlib.util.find_spec("fla") is None:
         return "torch reference (flash-linear-attention is not installed)"
     if why := fla_backward_refused():
-        return f"torch reference ({why})"
+        return f"fla chunk_gated_delta_rule, chunk_bwd_dqkwg in torch (twinkle_specs.gdn_dqkwg: {why})"
     return "fla chunk_gated_delta_rule"
 
 

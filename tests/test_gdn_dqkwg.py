@@ -1,0 +1,128 @@
+"""twinkle_specs.gdn_dqkwg: fla's gated ``chunk_bwd_dqkwg`` in torch. On CPU: the batched implementation
+against a chunk-by-chunk, head-by-head transcription of fla 0.6's Triton kernel (``chunk_bwd_kernel_dqkwg``
+and its wrapper), and its registration as an fla backend (a stand-in for ``fla.backends``). The whole rule's
+gradients against megatron-core's torch reference need fla's other kernels: tests/test_hybrid_gpu.py."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from twinkle_specs import gdn_dqkwg
+
+
+def kernel_transcription(q, k, v, do, h, dh, w, g, dv, scale, state_v_first, BT):
+    """fla's kernel one (batch, value head, chunk) program at a time, fp32, as its Triton source reads."""
+    B, T, H, K = k.shape
+    HV = v.shape[2]
+    NT = -(-T // BT)
+    dq = torch.zeros(B, T, HV, K)
+    dk = torch.zeros(B, T, HV, K)
+    dw = torch.zeros(B, T, HV, K)
+    dg = torch.zeros(B, T, HV)
+    for b in range(B):
+        for i_h in range(HV):
+            kh = i_h // (HV // H)
+            for c in range(NT):
+                t0, t1 = c * BT, min(c * BT + BT, T)
+                hc, dhc = h[b, c, i_h].float(), dh[b, c, i_h].float()
+                if state_v_first:  # [V, K] -> [K, V]
+                    hc, dhc = hc.T, dhc.T
+                vc, doc, dvc = v[b, t0:t1, i_h].float(), do[b, t0:t1, i_h].float(), dv[b, t0:t1, i_h].float()
+                qc, kc = q[b, t0:t1, kh].float(), k[b, t0:t1, kh].float()
+                gc = g[b, t0:t1, i_h].float()
+                g_last = gc[-1]
+                dg_last = (hc * dhc).sum()
+                ds = doc @ vc.T
+                bdq = doc @ hc.T
+                bdk = vc @ dhc.T
+                dw[b, t0:t1, i_h] = -(dvc @ hc.T)
+                dg_last = dg_last * torch.exp2(g_last)
+                bdq = bdq * torch.exp2(gc)[:, None] * scale
+                bdk = bdk * torch.exp2(g_last - gc)[:, None]
+                dg_last = dg_last + (bdk * kc).sum()
+                ds = torch.tril(ds * torch.exp2(gc[:, None] - gc[None, :])) * scale
+                ds = ds.to(k.dtype).float()
+                bdq = bdq + ds @ kc
+                bdk = bdk + ds.T @ qc
+                bdg = (bdq * qc).sum(1) - (bdk * kc).sum(1)
+                bdg[-1] += dg_last
+                dq[b, t0:t1, i_h], dk[b, t0:t1, i_h], dg[b, t0:t1, i_h] = bdq, bdk, bdg
+    if H != HV:
+        dq = dq.view(B, T, H, HV // H, K).sum(3)
+        dk = dk.view(B, T, H, HV // H, K).sum(3)
+    return dq, dk, dw, dg
+
+
+@pytest.mark.parametrize("T", [96, 100])  # whole chunks; a partial last chunk
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_dqkwg_equals_the_kernel_chunk_by_chunk(T, state_v_first, dtype):
+    torch.manual_seed(0)
+    B, H, HV, K, V, BT = 2, 2, 4, 8, 16, 32
+    NT = -(-T // BT)
+    q, k = (torch.randn(B, T, H, K, dtype=dtype) for _ in range(2))
+    v, do, dv = (torch.randn(B, T, HV, V, dtype=dtype) for _ in range(3))
+    w = torch.randn(B, T, HV, K, dtype=dtype)
+    shape = (B, NT, HV, V, K) if state_v_first else (B, NT, HV, K, V)
+    h, dh = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    # the in-chunk cumulative log2 decay, as fla's forward leaves it
+    g = (-torch.rand(B, T, HV) * 0.3).view(B, -1, HV)
+    g = torch.cat([c.cumsum(1) for c in g.split(BT, dim=1)], dim=1)
+    args = dict(q=q, k=k, v=v, do=do, h=h, dh=dh, w=w, g=g, dv=dv, scale=K**-0.5, state_v_first=state_v_first)
+
+    got = gdn_dqkwg.chunk_bwd_dqkwg(**args, chunk_size=BT)
+    want = kernel_transcription(**args, BT=BT)
+    assert [t.dtype for t in got] == [dtype, dtype, dtype, torch.float32]
+    assert [t.shape for t in got] == [q.shape, k.shape, w.shape, g.shape]
+    # fp32: the same sums in another order; bf16: the outputs' own rounding (one bf16 ulp, 2^-8 relative)
+    rtol = 1e-5 if dtype == torch.float32 else 8e-3
+    for name, a, b in zip(("dq", "dk", "dw", "dg"), got, want, strict=True):
+        scale = b.abs().max()
+        assert (a.float() - b.to(dtype).float()).abs().max() <= rtol * scale, name
+
+
+def test_the_varlen_and_ungated_cases_are_fla_s_own():
+    x = torch.zeros(1, 64, 1, 8)
+    with pytest.raises(NotImplementedError, match="gated, fixed-length"):
+        gdn_dqkwg.chunk_bwd_dqkwg(x, x, x, x, x, x, g=None)
+
+
+def test_enable_registers_one_backend_for_the_gated_fixed_length_case(monkeypatch):
+    """``enable`` adds one backend to fla's ``common`` registry, after fla's own (a larger priority), whose
+    verifier takes the gated fixed-length calls only; a second call changes nothing."""
+    registered = []
+
+    class BaseBackend:
+        pass
+
+    def register(operation):
+        def add(cls):
+            registered.append((operation, cls()))
+            return cls
+
+        return add
+
+    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
+    monkeypatch.setitem(
+        sys.modules, "fla.backends", types.SimpleNamespace(BaseBackend=BaseBackend, register=register)
+    )
+    gdn_dqkwg.enable.cache_clear()
+    try:
+        gdn_dqkwg.enable()
+        gdn_dqkwg.enable()
+    finally:
+        gdn_dqkwg.enable.cache_clear()
+    assert len(registered) == 1
+    operation, backend = registered[0]
+    assert operation == "common" and backend.priority > 5  # fla's backends default to 5
+    x, g = torch.zeros(1, 64, 1, 8), torch.zeros(1, 64, 1)
+    assert backend.chunk_bwd_dqkwg_verifier(x, x, x, x, x, x, g=g) == (True, None)
+    assert not backend.chunk_bwd_dqkwg_verifier(x, x, x, x, x, x, g=None)[0]
+    assert not backend.chunk_bwd_dqkwg_verifier(x, x, x, x, x, x, None, g, cu_seqlens=torch.tensor([0, 64]))[
+        0
+    ]
+    assert not backend.chunk_bwd_dqkwg_verifier(x, x, x, x, x, x, None, g, torch.ones(1))[0]  # g_gamma
