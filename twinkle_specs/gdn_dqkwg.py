@@ -95,7 +95,7 @@ def chunk_bwd_dqkwg(
 
     def tokens(x: torch.Tensor) -> torch.Tensor:
         """[B, heads, NT, BT, d] -> [B, T, heads, d]"""
-        return x.movedim(1, 3).reshape(B, NT * BT, x.shape[1], x.shape[-1])[:, :T]
+        return x.movedim(1, 3).reshape(B, NT * BT, x.shape[1], x.shape[-1])[:, :T].contiguous()
 
     dq, dk = tokens(dq), tokens(dk)  # [B, T, HV, K]
     if group > 1:
