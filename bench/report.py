@@ -12,6 +12,8 @@ SCHEMA_VERSION = 1
 # name, numerator variant, denominator variant, metric, target (None: reported only)
 RATIOS = (
     ("c_over_a_tokens_per_s", "twinkle_lora", "mcore_te_full", "tokens_per_s_per_gpu", 1.3),
+    # (c) under TE CUDA graphs against (a) as the group ran it (eager unless --cuda-graphs says otherwise)
+    ("c_graphs_over_a_tokens_per_s", "twinkle_lora_graphs", "mcore_te_full", "tokens_per_s_per_gpu", None),
     # (d) as peft's defaults run it: reported, no target (the target is against the best peer, below)
     ("c_over_d_tokens_per_s", "twinkle_lora", "hf_peft_lora", "tokens_per_s_per_gpu", None),
     ("b_over_a_tokens_per_s", "twinkle_full", "mcore_te_full", "tokens_per_s_per_gpu", 0.98),

@@ -848,6 +848,11 @@ def test_report_ratios_and_targets():
     memory = {c["group"]: c for c in doc["targets"] if c["target"] == "c_over_e_activation_memory <= 1.05"}
     assert memory["qwen3-8b seq4096 mbs1"]["value"] is None
     assert memory["qwen3-8b seq4096 mbs1"]["met"] is None
+    # (c) under CUDA graphs against (a): reported beside (c)/(a)
+    graphs = report.summarize(
+        {"results": [res("mcore_te_full", 100.0, 60.0), res("twinkle_lora_graphs", 150.0, 21.0)]}
+    )
+    assert graphs["ratios"]["qwen3-8b seq4096 mbs1"]["c_graphs_over_a_tokens_per_s"] == pytest.approx(1.5)
     assert not any("peak" in c["target"] for c in doc["targets"])
     small = {c["target"]: c for c in doc["targets"] if c["group"] == "qwen3-1.7b seq4096 mbs1"}
     assert set(small) == {"c_over_e_activation_memory <= 1.05"}, small

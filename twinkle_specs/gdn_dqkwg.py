@@ -88,10 +88,10 @@ def chunk_bwd_dqkwg(
     dq = dq + ds @ kc
     dk = dk + ds.transpose(-1, -2) @ qc
     dg = (dq * qc).sum(-1) - (dk * kc).sum(-1)  # [B, HV, NT, BT]
-    # each chunk's last real position takes the gradient of the chunk's last gate (dg_last)
-    last = torch.full((NT,), BT - 1, device=q.device)
-    last[-1] = T - 1 - (NT - 1) * BT
-    dg = dg + dg_last.unsqueeze(-1) * torch.nn.functional.one_hot(last, BT)
+    # each chunk's last real position takes the gradient of the chunk's last gate (dg_last); also the padded
+    # end of a partial last chunk, which is cut below. Built on the device: no host copy (CUDA graphs).
+    pos = torch.arange(NT * BT, device=q.device).view(NT, BT)
+    dg = dg + torch.where((pos % BT == BT - 1) | (pos == T - 1), dg_last.unsqueeze(-1), 0)
 
     def tokens(x: torch.Tensor) -> torch.Tensor:
         """[B, heads, NT, BT, d] -> [B, T, heads, d]"""
