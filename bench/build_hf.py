@@ -73,12 +73,11 @@ def prepare(hf_dir: Path, s: Settings, peft_lora: bool = False, tuning: Tuning =
         # where fla refuses its gated chunk_bwd_dqkwg, the torch one that twinkle's layers use stands in
         result["gdn_rule"] = "torch reference (transformers')"
         if importlib.util.find_spec("fla") is not None:
-            from twinkle_specs import gdn_dqkwg
-            from twinkle_specs.gdn import fla_backward_refused, training_rule
+            from twinkle_specs.gdn import train_on_fla, training_rule
 
             result["gdn_rule"] = training_rule(dev.type == "cuda")
-            if dev.type == "cuda" and fla_backward_refused():
-                gdn_dqkwg.enable()
+            if dev.type == "cuda":
+                train_on_fla()
     experts = getattr(model.config, "_experts_implementation", None)
     if experts and getattr(config, "num_experts", None):
         result["impl"] += f", experts {experts}"

@@ -124,8 +124,7 @@ def stock_te_model(hf_dir: Path, s: Settings, overrides: dict[str, Any]) -> tupl
             get_transformer_block_with_experimental_attention_variant_spec as block_spec,
         )
 
-        from twinkle_specs import gdn_dqkwg
-        from twinkle_specs.gdn import fla_backward_refused, training_rule
+        from twinkle_specs.gdn import train_on_fla, training_rule
 
         spec: Any = block_spec(config=config)
         facts = {
@@ -134,8 +133,7 @@ def stock_te_model(hf_dir: Path, s: Settings, overrides: dict[str, Any]) -> tupl
             # chunk_bwd_dqkwg, the torch one that twinkle's layers use stands in, for both alike
             "gdn_rule": training_rule(on_gpu()),
         }
-        if fla_backward_refused():
-            gdn_dqkwg.enable()
+        train_on_fla()
     else:
         spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts,

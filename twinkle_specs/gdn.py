@@ -42,7 +42,17 @@ def _fla_rule(needs_grad: bool):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
-    if needs_grad and (why := fla_backward_refused()):
+    if needs_grad:
+        train_on_fla()
+    return chunk_gated_delta_rule
+
+
+def train_on_fla() -> None:
+    """Where fla refuses its gated ``chunk_bwd_dqkwg`` (:func:`fla_backward_refused`), give fla the torch one
+    of :mod:`twinkle_specs.gdn_dqkwg` (once per process, with one warning), so that fla's rule trains here;
+    elsewhere nothing. Any Gated DeltaNet that calls fla's rule in this process gains it (the benchmark's
+    megatron-core and transformers peers too)."""
+    if why := fla_backward_refused():
         from twinkle_specs import gdn_dqkwg
 
         gdn_dqkwg.enable()
@@ -50,7 +60,6 @@ def _fla_rule(needs_grad: bool):
             f"{why}: that kernel (chunk_bwd_dqkwg) runs in torch (twinkle_specs.gdn_dqkwg), "
             f"the rest of the rule on fla's kernels. Install tilelang (or Triton >= 3.7.1) for fla's own."
         )
-    return chunk_gated_delta_rule
 
 
 @functools.cache

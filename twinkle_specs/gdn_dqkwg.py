@@ -15,6 +15,7 @@ gated ``chunk_bwd_dqkwg`` runs here for every caller (it would have raised for t
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -43,8 +44,8 @@ def chunk_bwd_dqkwg(
     gate in base 2 (fla's convention). Returns dq, dk [B, T, H, K] (summed over the value heads of a key
     head), dw (negated, as fla stores it) and dg [B, T, HV] in fp32, before fla's reverse cumsum.
     """
-    if g is None or g_gamma is not None or cu_seqlens is not None:
-        raise NotImplementedError("twinkle_specs' chunk_bwd_dqkwg: the gated, fixed-length case only")
+    if why := unsupported(g, g_gamma, cu_seqlens):
+        raise NotImplementedError(why)
     B, T, H, K = k.shape
     HV, BT = v.shape[2], chunk_size
     NT = -(-T // BT)
@@ -74,7 +75,8 @@ def chunk_bwd_dqkwg(
         hs, dhs = hs.transpose(-1, -2), dhs.transpose(-1, -2)
 
     g_last = gc[..., -1:]  # [B, HV, NT, 1]; padding repeats the last real gate
-    valid = torch.arange(NT * BT, device=q.device).view(NT, BT) < T  # [NT, BT]
+    pos = torch.arange(NT * BT, device=q.device).view(NT, BT)  # token positions, built on the device
+    valid = pos < T
     dg_last = (hs * dhs).sum((-1, -2)) * g_last.squeeze(-1).exp2()  # [B, HV, NT]
     dq = doc @ hs.transpose(-1, -2) * (gc.exp2() * scale).unsqueeze(-1)
     dk = vc @ dhs.transpose(-1, -2) * torch.where(valid, (g_last - gc).exp2(), 0).unsqueeze(-1)
@@ -89,8 +91,7 @@ def chunk_bwd_dqkwg(
     dk = dk + ds.transpose(-1, -2) @ qc
     dg = (dq * qc).sum(-1) - (dk * kc).sum(-1)  # [B, HV, NT, BT]
     # each chunk's last real position takes the gradient of the chunk's last gate (dg_last); also the padded
-    # end of a partial last chunk, which is cut below. Built on the device: no host copy (CUDA graphs).
-    pos = torch.arange(NT * BT, device=q.device).view(NT, BT)
+    # end of a partial last chunk, which is cut below. No host copy anywhere here (CUDA graphs capture this).
     dg = dg + torch.where((pos % BT == BT - 1) | (pos == T - 1), dg_last.unsqueeze(-1), 0)
 
     def tokens(x: torch.Tensor) -> torch.Tensor:
@@ -102,6 +103,15 @@ def chunk_bwd_dqkwg(
         dq, dk = dq.view(B, T, H, group, K).sum(3), dk.view(B, T, H, group, K).sum(3)
     dw = None if w is None else -tokens(chunks(dv) @ hs.transpose(-1, -2)).to(w.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dw, tokens(dg.unsqueeze(-1)).squeeze(-1)
+
+
+def unsupported(g, g_gamma, cu_seqlens) -> str | None:
+    """Why :func:`chunk_bwd_dqkwg` cannot take a call (fla's own kernel then runs), else None."""
+    if g is None or g_gamma is not None:
+        return "twinkle_specs' chunk_bwd_dqkwg: the gated, fixed-length case only (a g, no g_gamma)"
+    if cu_seqlens is not None:
+        return "twinkle_specs' chunk_bwd_dqkwg: the gated, fixed-length case only (no cu_seqlens)"
+    return None
 
 
 @functools.cache
@@ -117,14 +127,9 @@ def enable() -> None:
         priority = 9
 
         def chunk_bwd_dqkwg_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
-            named = (
-                dict(zip(("q", "k", "v", "do", "h", "dh", "w", "g", "g_gamma"), args, strict=False)) | kwargs
-            )
-            if named.get("g") is None or named.get("g_gamma") is not None:
-                return False, "twinkle_specs' torch chunk_bwd_dqkwg: gated case only"
-            if named.get("cu_seqlens") is not None:
-                return False, "twinkle_specs' torch chunk_bwd_dqkwg: fixed-length sequences only"
-            return True, None
+            call = inspect.signature(chunk_bwd_dqkwg).bind(*args, **kwargs).arguments
+            why = unsupported(call.get("g"), call.get("g_gamma"), call.get("cu_seqlens"))
+            return why is None, why
 
         def chunk_bwd_dqkwg(self, *args, **kwargs):
             return chunk_bwd_dqkwg(*args, **kwargs)

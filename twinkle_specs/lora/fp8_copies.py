@@ -16,6 +16,8 @@ bf16 weights and writing them twice in FP8 at every iteration.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,10 +62,12 @@ class Fp8CopyHistory:
         self.runs = self.runs + 1 if stamp is not None and stamp == self.stamp else 1
         self.stamp = stamp
 
-    def final(self, stamp: tuple | None, settle: int) -> bool:
-        """Whether the copy is the one every later training forward would make of the weights that ``stamp``
-        identifies: the last ``settle`` quantizations were of these very weights."""
-        return stamp is not None and stamp == self.stamp and self.runs >= settle
+    def final(self, current: Callable[[], tuple | None], settle: int) -> bool:
+        """Whether the copy is the one every later training forward would make of the weights as they are
+        now: the last ``settle`` quantizations were of these very weights. ``current`` gives their stamp; it
+        is called only once such copies exist (not before a first quantization, e.g. while TE's constructor
+        sets its flag before the LoRA layer's state exists)."""
+        return self.stamp is not None and self.runs >= settle and current() == self.stamp
 
 
 class FrozenFp8Copies:
@@ -93,9 +97,9 @@ class FrozenFp8Copies:
         return requested and self._quantize
 
     def _must_quantize(self) -> bool:
-        stamp = weights_stamp(self._weights)
-        if not self._history.final(stamp, self._settle):
-            self._history.quantized(stamp)
+        current = functools.partial(weights_stamp, self._weights)
+        if not self._history.final(current, self._settle):
+            self._history.quantized(current())
             return True
         if self.kept_from is None:
             self.kept_from = self._history.runs + 1

@@ -96,11 +96,7 @@ class FrozenFp8WeightCache:
             # a forward has just quantized the weight; a training one, so the copy holds the transpose
             # that the backward's input-gradient GEMM reads too
             history.quantized(self._lora_base_stamp() if torch.is_grad_enabled() else None)
-        elif (
-            value
-            and history.stamp is not None
-            and history.final(self._lora_base_stamp(), self._lora_copies_to_settle())
-        ):
+        elif value and history.final(self._lora_base_stamp, self._lora_copies_to_settle()):
             return  # the frozen base is as it was quantized: TE keeps its FP8 copy
         state["_lora_first_microbatch"] = value
 
