@@ -69,6 +69,7 @@ def main() -> None:
         want = _run(layer, lambda x: base(layer, x)[0] + layer.lora_delta_per_slot(x), x, grad)  # noqa: B023
         worst[f"{name}-forward"] = _rel(got, want)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(worst))
+    dist.barrier()  # every rank leaves together (a gloo group torn down mid-talk aborts its peer)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
 

@@ -254,6 +254,8 @@ ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
 ref_mine = ref[:2] if rank == 0 else ref[2:]
 grad_err = max(((p.grad - r.grad).abs().max() / r.grad.abs().max()).item() for p, r in zip(params, ref_mine))
 print(f"rank{rank} norm_rel={abs(norm.item() - ref_norm.item()) / ref_norm.item():.3e} grad_rel={grad_err:.3e}")
+# both ranks leave together: a gloo group torn down while its peer still talks aborts the process
+dist.barrier()
 dist.destroy_process_group()
 """
 

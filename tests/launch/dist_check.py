@@ -159,6 +159,7 @@ def main(argv: list[str]) -> int:
     }
     (out / f"rank_{rank}.json").write_text(json.dumps(result, indent=1))
     ok = t.item() == expected and d.item() == result["dp_size"] and tpt.item() == args.tp
+    dist.barrier()  # every rank leaves together (a gloo group torn down mid-talk aborts its peer)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     print(f"dist_check: rank {rank}/{world} allreduce={t.item()} expected={expected} ok={ok}", flush=True)
