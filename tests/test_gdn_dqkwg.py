@@ -85,15 +85,83 @@ def test_batched_dqkwg_equals_the_kernel_chunk_by_chunk(T, state_v_first, dtype)
         assert (a.float() - b.to(dtype).float()).abs().max() <= rtol * scale, name
 
 
-def test_the_varlen_and_ungated_cases_are_fla_s_own():
+def _packed(lengths: list[int], BT: int, state_v_first: bool, dtype: torch.dtype) -> dict:
+    """One row of packed sequences as fla's varlen backward hands it over: the gate cumulated within each
+    sequence's own chunks, one state per chunk of each sequence, in order."""
+    H, HV, K, V = 2, 4, 8, 16
+    T = sum(lengths)
+    NT = sum(-(-n // BT) for n in lengths)
+    q, k = (torch.randn(1, T, H, K, dtype=dtype) for _ in range(2))
+    v, do, dv = (torch.randn(1, T, HV, V, dtype=dtype) for _ in range(3))
+    shape = (1, NT, HV, V, K) if state_v_first else (1, NT, HV, K, V)
+    g = [c.cumsum(1) for n in lengths for c in (-torch.rand(1, n, HV) * 0.3).split(BT, dim=1)]
+    return dict(
+        q=q, k=k, v=v, do=do, dv=dv, w=torch.randn(1, T, HV, K, dtype=dtype), g=torch.cat(g, dim=1),
+        h=torch.randn(shape, dtype=dtype), dh=torch.randn(shape, dtype=dtype), scale=K**-0.5,
+        state_v_first=state_v_first,
+    )  # fmt: skip
+
+
+def _each_sequence(args: dict, lengths: list[int], BT: int) -> list[torch.Tensor]:
+    """The transcription of fla's kernel on each sequence alone, concatenated along the tokens."""
+    parts, t0, c0 = [], 0, 0
+    for n in lengths:
+        nc = -(-n // BT)
+        one = {
+            name: x[:, c0 : c0 + nc]
+            if name in ("h", "dh")
+            else x[:, t0 : t0 + n]
+            if torch.is_tensor(x)
+            else x
+            for name, x in args.items()
+        }
+        parts.append(kernel_transcription(**one, BT=BT))
+        t0, c0 = t0 + n, c0 + nc
+    return [torch.cat(x, dim=1) for x in zip(*parts, strict=True)]
+
+
+@pytest.mark.parametrize("chunk_indices", ["given", "built here", "with unused rows"])
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_sequences_equal_each_sequence_alone(chunk_indices, state_v_first, dtype):
+    """cu_seqlens (fla's varlen backward): every sequence's gradients equal the kernel's on that sequence
+    alone; sequences shorter than a chunk, of whole chunks, and ending mid-chunk; a row of one token."""
+    torch.manual_seed(0)
+    lengths, BT = [37, 64, 1, 90, 8], 32
+    args = _packed(lengths, BT, state_v_first, dtype)
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    table = [(n, c) for n, length in enumerate(lengths) for c in range(-(-length // BT))]
+    if chunk_indices == "with unused rows":  # fla's graph-captured tables: fixed rows, unused ones marked -1
+        table += [(-1, -1)] * 2
+        for name in ("h", "dh"):
+            args[name] = torch.cat([args[name], torch.randn_like(args[name][:, :2])], dim=1)
+    indices = None if chunk_indices == "built here" else torch.tensor(table)
+
+    got = gdn_dqkwg.chunk_bwd_dqkwg(**args, cu_seqlens=cu, chunk_size=BT, chunk_indices=indices)
+    if chunk_indices == "with unused rows":
+        args["h"], args["dh"] = args["h"][:, :-2], args["dh"][:, :-2]
+    want = _each_sequence(args, lengths, BT)
+    rtol = 1e-5 if dtype == torch.float32 else 8e-3
+    for name, a, b in zip(("dq", "dk", "dw", "dg"), got, want, strict=True):
+        assert a.shape == b.shape, name
+        assert (a.float() - b.to(a.dtype).float()).abs().max() <= rtol * b.abs().max(), name
+
+
+def test_packed_sequences_come_as_one_row():
+    x, g = torch.zeros(2, 64, 1, 8), torch.zeros(2, 64, 1)
+    with pytest.raises(ValueError, match="one row, B = 1, not 2"):
+        gdn_dqkwg.chunk_bwd_dqkwg(x, x, x, x, x, x, g=g, cu_seqlens=torch.tensor([0, 64]))
+
+
+def test_the_ungated_case_is_fla_s_own():
     x = torch.zeros(1, 64, 1, 8)
-    with pytest.raises(NotImplementedError, match="gated, fixed-length"):
+    with pytest.raises(NotImplementedError, match="the gated case only"):
         gdn_dqkwg.chunk_bwd_dqkwg(x, x, x, x, x, x, g=None)
 
 
-def test_enable_registers_one_backend_for_the_gated_fixed_length_case(monkeypatch):
+def test_enable_registers_one_backend_for_the_gated_case(monkeypatch):
     """``enable`` adds one backend to fla's ``common`` registry, after fla's own (a larger priority), whose
-    verifier takes the gated fixed-length calls only; a second call changes nothing."""
+    verifier takes the gated calls (fixed-length or packed) only; a second call changes nothing."""
     registered = []
 
     class BaseBackend:
@@ -122,7 +190,5 @@ def test_enable_registers_one_backend_for_the_gated_fixed_length_case(monkeypatc
     x, g = torch.zeros(1, 64, 1, 8), torch.zeros(1, 64, 1)
     assert backend.chunk_bwd_dqkwg_verifier(x, x, x, x, x, x, g=g) == (True, None)
     assert not backend.chunk_bwd_dqkwg_verifier(x, x, x, x, x, x, g=None)[0]
-    assert not backend.chunk_bwd_dqkwg_verifier(x, x, x, x, x, x, None, g, cu_seqlens=torch.tensor([0, 64]))[
-        0
-    ]
+    assert backend.chunk_bwd_dqkwg_verifier(x, x, x, x, x, x, None, g, cu_seqlens=torch.tensor([0, 64]))[0]
     assert not backend.chunk_bwd_dqkwg_verifier(x, x, x, x, x, x, None, g, torch.ones(1))[0]  # g_gamma

@@ -75,8 +75,12 @@ def test_hybrid_cuda_path_matches_transformers(kind, dtype, tmp_path_factory, gp
 DQKWG_GRAD_RTOL = 2e-2
 
 
-@pytest.mark.parametrize("seq", [256, 300])  # whole chunks, and a partial last chunk
-def test_fla_rule_with_the_torch_dqkwg_matches_the_torch_reference(seq):
+@pytest.mark.parametrize(
+    "seq,cuts",
+    [(256, None), (300, None), (300, [0, 37, 100, 101, 229, 300])],
+    ids=["whole-chunks", "partial-last-chunk", "packed"],  # packed: fla's varlen rule, one row
+)
+def test_fla_rule_with_the_torch_dqkwg_matches_the_torch_reference(seq, cuts):
     pytest.importorskip("fla", reason="needs flash-linear-attention (pip install .[hybrid-gpu])")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
@@ -90,7 +94,7 @@ def test_fla_rule_with_the_torch_dqkwg_matches_the_torch_reference(seq):
     gdn_dqkwg.chunk_bwd_dqkwg = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     try:
         torch.manual_seed(0)
-        b, heads, dk, dv = 2, 4, 64, 128
+        b, heads, dk, dv = 2 if cuts is None else 1, 4, 64, 128
         inputs = {
             "q": torch.randn(b, seq, heads, dk, device="cuda"),
             "k": torch.randn(b, seq, heads, dk, device="cuda"),
@@ -106,18 +110,28 @@ def test_fla_rule_with_the_torch_dqkwg_matches_the_torch_reference(seq):
             out.backward(do)
             return {n: t.grad for n, t in leaves.items()}
 
+        cu = None if cuts is None else torch.tensor(cuts, device="cuda")
+        spans = [(0, seq)] if cuts is None else list(zip(cuts[:-1], cuts[1:], strict=True))
         fla = grads(
             lambda q, k, v, g, beta: chunk_gated_delta_rule(
-                q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True
+                q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu
             )[0]
         )
-        ref = grads(
-            lambda q, k, v, g, beta: torch_chunk_gated_delta_rule(l2norm(q), l2norm(k), v, g=g, beta=beta)[0]
+        ref = grads(  # each packed sequence alone
+            lambda q, k, v, g, beta: torch.cat(
+                [
+                    torch_chunk_gated_delta_rule(
+                        l2norm(q[:, a:e]), l2norm(k[:, a:e]), v[:, a:e], g=g[:, a:e], beta=beta[:, a:e]
+                    )[0]
+                    for a, e in spans
+                ],
+                dim=1,
+            )
         )
     finally:
         gdn_dqkwg.chunk_bwd_dqkwg = real
     assert calls, "fla did not call twinkle_specs.gdn_dqkwg.chunk_bwd_dqkwg"
     rel = {n: ((fla[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in inputs}
-    EVIDENCE.record(f"fla-rule-torch-dqkwg-seq{seq}", grad_rel_max_abs=rel)
+    EVIDENCE.record(f"fla-rule-torch-dqkwg-seq{seq}{'-packed' if cuts else ''}", grad_rel_max_abs=rel)
     print(seq, rel)
     assert max(rel.values()) <= DQKWG_GRAD_RTOL, rel

@@ -216,22 +216,19 @@ class PortableGatedDeltaNet(GatedDeltaNet):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, packed_seq_params=None, **kwargs):
         """[s, b, h] -> ([s, b, h], None). Causal by construction: the attention mask is not used. Packed
-        sequences (THD, ``cu_seqlens``) run the convolution and the recurrence per sequence, each from a
+        sequences (THD, ``cu_seqlens``) restart the convolution and the recurrence at each sequence, from a
         zero state, as each sequence alone would."""
         if kwargs.get("inference_context") is not None:
             raise NotImplementedError("Gated DeltaNet: inference is not supported")
         qkvzba, _ = self.in_proj(hidden_states)
         qkvzba = qkvzba.transpose(0, 1)  # [b, s, x]
-        if packed_seq_params is None:
-            out = self._mix(qkvzba)
-        else:
-            out = torch.cat(
-                [self._mix(qkvzba[:, a:b]) for a, b in _sequences(packed_seq_params, qkvzba)], dim=1
-            )
+        spans = None if packed_seq_params is None else _sequences(packed_seq_params, qkvzba)
+        out = self._mix(qkvzba, spans)
         return self.out_proj(out.transpose(0, 1).contiguous())
 
-    def _mix(self, qkvzba: torch.Tensor) -> torch.Tensor:
-        """The token mixing of one batch of whole sequences: in_proj's output [b, s, x] -> [b, s, v]."""
+    def _mix(self, qkvzba: torch.Tensor, spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """The token mixing: in_proj's output [b, s, x] -> [b, s, v], over whole sequences, or over the
+        packed sequences [start, end) of ``spans`` (one row)."""
         batch, seq_len = qkvzba.shape[:2]
         tp = self.tp_size
         qkv, gate, beta, alpha = torch.split(
@@ -240,11 +237,17 @@ class PortableGatedDeltaNet(GatedDeltaNet):
             dim=-1,
         )
         qkv = qkv.transpose(1, 2).contiguous()  # [b, d, s]
+        if spans is not None:  # (kernel - 1) zeros before each sequence: one convolution restarts at each
+            places = _places(spans, self.conv_kernel_dim - 1, qkv.device)
+            wide = seq_len + len(spans) * (self.conv_kernel_dim - 1)
+            qkv = qkv.new_zeros(*qkv.shape[:2], wide).index_copy(2, places, qkv)
         conv = _causal_conv1d() if qkv.is_cuda and not self.config.deterministic_mode else None
         if conv is None:
-            qkv = self.act_fn(self.conv1d(qkv)[..., :seq_len])
+            qkv = self.act_fn(self.conv1d(qkv)[..., : qkv.shape[-1]])
         else:
             qkv = conv(x=qkv, weight=self.conv1d.weight.squeeze(1), bias=None, activation=self.activation)
+        if spans is not None:
+            qkv = qkv.index_select(2, places)
         query, key, value = torch.split(
             qkv.transpose(1, 2), [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1
         )
@@ -258,11 +261,8 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         beta = beta.sigmoid()
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, g, beta))
         rule = _fla_rule(needs_grad) if query.is_cuda and not self.config.deterministic_mode else None
-        if rule is None:
-            out, _ = torch_chunk_rule(
-                l2norm(query).contiguous(), l2norm(key).contiguous(), value, g=g, beta=beta.contiguous()
-            )
-        else:
+        if rule is not None:  # fla's varlen rule takes the packed sequences in one call
+            cuts = None if spans is None else [0, *(b for _, b in spans)]
             out, _ = rule(
                 query.contiguous(),
                 key.contiguous(),
@@ -270,6 +270,19 @@ class PortableGatedDeltaNet(GatedDeltaNet):
                 g=g,
                 beta=beta.contiguous(),
                 use_qk_l2norm_in_kernel=True,
+                cu_seqlens=None if cuts is None else torch.tensor(cuts, device=query.device),
+                cu_seqlens_cpu=None if cuts is None else torch.tensor(cuts),
+            )
+        else:
+            query, key, beta = l2norm(query).contiguous(), l2norm(key).contiguous(), beta.contiguous()
+            out = torch.cat(
+                [
+                    torch_chunk_rule(
+                        query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b]
+                    )[0]
+                    for a, b in spans or [(0, seq_len)]
+                ],
+                dim=1,
             )
         out = self._apply_gated_norm(out, gate.reshape(batch, seq_len, -1, self.value_head_dim))
         return out.reshape(batch, seq_len, -1)
@@ -283,6 +296,11 @@ class PortableGatedDeltaNet(GatedDeltaNet):
 
     def reset_parameters(self) -> None:
         """Weights come from the checkpoint; the random init of megatron-core's module needs CUDA."""
+
+
+def _places(spans: list[tuple[int, int]], gap: int, device: torch.device) -> torch.Tensor:
+    """Where each token of the packed spans sits in a row that puts ``gap`` zeros before each span."""
+    return torch.cat([torch.arange(a, b) + gap * (i + 1) for i, (a, b) in enumerate(spans)]).to(device)
 
 
 def _sequences(params, qkvzba: torch.Tensor) -> list[tuple[int, int]]:

@@ -41,43 +41,40 @@ def chunk_bwd_dqkwg(
 
     q, k: [B, T, H, K]; v (the rule's v_new), do, dv: [B, T, HV, V]; w: [B, T, HV, K]; h, dh: the chunk
     states [B, NT, HV, K, V] ([.., V, K] with ``state_v_first``); g: [B, T, HV], the in-chunk cumulative
-    gate in base 2 (fla's convention). Returns dq, dk [B, T, H, K] (summed over the value heads of a key
-    head), dw (negated, as fla stores it) and dg [B, T, HV] in fp32, before fla's reverse cumsum.
+    gate in base 2 (fla's convention). Packed sequences as fla packs them: B = 1, ``cu_seqlens`` [N + 1],
+    each sequence chunked from its own start, the chunks of all sequences in order along h's chunk axis
+    (``chunk_indices`` [NT, 2]: sequence, chunk within it). Returns dq, dk [B, T, H, K] (summed over the
+    value heads of a key head), dw (negated, as fla stores it) and dg [B, T, HV] in fp32, before fla's
+    reverse cumsum.
     """
-    if why := unsupported(g, g_gamma, cu_seqlens):
+    if why := unsupported(g, g_gamma):
         raise NotImplementedError(why)
     B, T, H, K = k.shape
     HV, BT = v.shape[2], chunk_size
-    NT = -(-T // BT)
-    pad = NT * BT - T
     scale = K**-0.5 if scale is None else scale
+    start, length = _chunk_table(B, T, BT, cu_seqlens, chunk_indices, q.device)
+    offset = torch.arange(BT, device=q.device)
+    valid = offset < length[:, None]  # [NC, BT]
+    # each chunk's tokens, past its end its last real token again (zeroed below, but for the gate)
+    index = (start[:, None] + torch.minimum(offset, length[:, None] - 1)).clamp(0, B * T - 1)
 
-    def chunks(x: torch.Tensor, fill: str = "zero") -> torch.Tensor:
-        """[B, T, heads, d] -> [B, heads, NT, BT, d] in fp32, T padded to whole chunks."""
-        x = x.float()
-        if pad:
-            tail = (
-                x[:, -1:].expand(-1, pad, *x.shape[2:])
-                if fill == "last"
-                else x.new_zeros(B, pad, *x.shape[2:])
-            )
-            x = torch.cat([x, tail], dim=1)
-        return x.view(B, NT, BT, *x.shape[2:]).movedim(3, 1)
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        """[B, T, heads, d] -> [heads, NC, BT, d] in fp32, zero past each chunk's end."""
+        x = x.float().flatten(0, 1)[index]
+        return torch.where(valid[:, :, None, None], x, 0).movedim(2, 0)
 
     group = HV // H
-    qc = chunks(q).repeat_interleave(group, dim=1)  # [B, HV, NT, BT, K]
-    kc = chunks(k).repeat_interleave(group, dim=1)
+    qc = chunks(q).repeat_interleave(group, dim=0)  # [HV, NC, BT, K]
+    kc = chunks(k).repeat_interleave(group, dim=0)
     vc, doc = chunks(v), chunks(do)
-    gc = chunks(g.unsqueeze(-1), fill="last").squeeze(-1)  # [B, HV, NT, BT]
-    # states as [B, HV, NT, K, V]
-    hs, dhs = (s.float().movedim(2, 1) for s in (h, dh))
+    gc = g.float().flatten(0, 1)[index].movedim(2, 0)  # [HV, NC, BT]; past a chunk's end, its last real gate
+    # states as [HV, NC, K, V]
+    hs, dhs = (s.float().flatten(0, 1).movedim(1, 0) for s in (h, dh))
     if state_v_first:
         hs, dhs = hs.transpose(-1, -2), dhs.transpose(-1, -2)
 
-    g_last = gc[..., -1:]  # [B, HV, NT, 1]; padding repeats the last real gate
-    pos = torch.arange(NT * BT, device=q.device).view(NT, BT)  # token positions, built on the device
-    valid = pos < T
-    dg_last = (hs * dhs).sum((-1, -2)) * g_last.squeeze(-1).exp2()  # [B, HV, NT]
+    g_last = gc[..., -1:]  # [HV, NC, 1]
+    dg_last = (hs * dhs).sum((-1, -2)) * g_last.squeeze(-1).exp2()  # [HV, NC]
     dq = doc @ hs.transpose(-1, -2) * (gc.exp2() * scale).unsqueeze(-1)
     dk = vc @ dhs.transpose(-1, -2) * torch.where(valid, (g_last - gc).exp2(), 0).unsqueeze(-1)
     dg_last = dg_last + (dk * kc).sum((-1, -2))
@@ -89,14 +86,18 @@ def chunk_bwd_dqkwg(
     ds = ds.to(k.dtype).float()  # fla's kernel rounds ds to the inputs' dtype before its two GEMMs
     dq = dq + ds @ kc
     dk = dk + ds.transpose(-1, -2) @ qc
-    dg = (dq * qc).sum(-1) - (dk * kc).sum(-1)  # [B, HV, NT, BT]
-    # each chunk's last real position takes the gradient of the chunk's last gate (dg_last); also the padded
-    # end of a partial last chunk, which is cut below. No host copy anywhere here (CUDA graphs capture this).
-    dg = dg + torch.where((pos % BT == BT - 1) | (pos == T - 1), dg_last.unsqueeze(-1), 0)
+    dg = (dq * qc).sum(-1) - (dk * kc).sum(-1)  # [HV, NC, BT]
+    # each chunk's last real position takes the gradient of the chunk's last gate
+    dg = dg + torch.where(offset == length[:, None] - 1, dg_last.unsqueeze(-1), 0)
+
+    # every token's place among the chunks' positions; no host copy anywhere here (CUDA graphs capture this)
+    token = torch.arange(B * T, device=q.device)
+    chunk = torch.searchsorted(start, token, right=True) - 1
+    place = chunk * BT + token - start[chunk]
 
     def tokens(x: torch.Tensor) -> torch.Tensor:
-        """[B, heads, NT, BT, d] -> [B, T, heads, d]"""
-        return x.movedim(1, 3).reshape(B, NT * BT, x.shape[1], x.shape[-1])[:, :T].contiguous()
+        """[heads, NC, BT, d] -> [B, T, heads, d]"""
+        return x.movedim(0, 2).flatten(0, 1)[place].view(B, T, x.shape[0], x.shape[-1])
 
     dq, dk = tokens(dq), tokens(dk)  # [B, T, HV, K]
     if group > 1:
@@ -105,20 +106,48 @@ def chunk_bwd_dqkwg(
     return dq.to(q.dtype), dk.to(k.dtype), dw, tokens(dg.unsqueeze(-1)).squeeze(-1)
 
 
-def unsupported(g, g_gamma, cu_seqlens) -> str | None:
+def _chunk_table(
+    B: int,
+    T: int,
+    BT: int,
+    cu_seqlens: torch.Tensor | None,
+    chunk_indices: torch.Tensor | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each chunk's first token (an index into the B * T tokens, ascending) and its length, in the order of
+    h's chunk axis. Packed: from fla's ``chunk_indices`` (built here where fla gave none); rows fla marks
+    unused (sequence -1, a graph-captured table) get length 0 and start past the last token."""
+    if cu_seqlens is None:
+        first = torch.arange(0, T, BT, device=device)
+        start = (torch.arange(B, device=device)[:, None] * T + first).flatten()
+        return start, (T - first).clamp(max=BT).repeat(B)
+    if B != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) come as one row, B = 1, not {B}")
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    if chunk_indices is None:
+        counts = -(-(cu[1:] - cu[:-1]) // BT)
+        sequence = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+        first_chunk = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        chunk_indices = torch.stack([sequence, torch.arange(len(sequence), device=device) - first_chunk], 1)
+    sequence, within = chunk_indices.to(device=device, dtype=torch.long).unbind(-1)
+    used = sequence >= 0
+    sequence = sequence.clamp(min=0)
+    start = torch.where(used, cu[sequence] + within * BT, T)
+    return start, torch.where(used, (cu[sequence + 1] - start).clamp(max=BT), 0)
+
+
+def unsupported(g, g_gamma) -> str | None:
     """Why :func:`chunk_bwd_dqkwg` cannot take a call (fla's own kernel then runs), else None."""
     if g is None or g_gamma is not None:
-        return "twinkle_specs' chunk_bwd_dqkwg: the gated, fixed-length case only (a g, no g_gamma)"
-    if cu_seqlens is not None:
-        return "twinkle_specs' chunk_bwd_dqkwg: the gated, fixed-length case only (no cu_seqlens)"
+        return "twinkle_specs' chunk_bwd_dqkwg: the gated case only (a g, no g_gamma)"
     return None
 
 
 @functools.cache
 def enable() -> None:
     """Offer :func:`chunk_bwd_dqkwg` to fla as a backend of its ``common`` operations (once per process),
-    after every backend fla ships (a lower priority): fla calls it for the gated, fixed-length case, which
-    is the one it refuses on Hopper with Triton < 3.7.1, and keeps its own kernel for everything else."""
+    after every backend fla ships (a lower priority): fla calls it for the gated case (fixed-length or
+    packed), the one it refuses on Hopper with Triton < 3.7.1, and keeps its own kernel for the others."""
     from fla.backends import BaseBackend, register
 
     @register("common")
@@ -128,7 +157,7 @@ def enable() -> None:
 
         def chunk_bwd_dqkwg_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
             call = inspect.signature(chunk_bwd_dqkwg).bind(*args, **kwargs).arguments
-            why = unsupported(call.get("g"), call.get("g_gamma"), call.get("cu_seqlens"))
+            why = unsupported(call.get("g"), call.get("g_gamma"))
             return why is None, why
 
         def chunk_bwd_dqkwg(self, *args, **kwargs):
