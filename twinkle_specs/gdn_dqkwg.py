@@ -90,7 +90,8 @@ def chunk_bwd_dqkwg(
     # each chunk's last real position takes the gradient of the chunk's last gate
     dg = dg + torch.where(offset == length[:, None] - 1, dg_last.unsqueeze(-1), 0)
 
-    # every token's place among the chunks' positions; no host copy anywhere here (CUDA graphs capture this)
+    # every token's place among the chunks' positions. Fixed-length, or packed with fla's chunk table: no host
+    # copy anywhere here (CUDA graphs capture this); a table built here asks the host for its length.
     token = torch.arange(B * T, device=q.device)
     chunk = torch.searchsorted(start, token, right=True) - 1
     place = chunk * BT + token - start[chunk]
