@@ -151,13 +151,15 @@ def enable() -> None:
     packed), the one it refuses on Hopper with Triton < 3.7.1, and keeps its own kernel for the others."""
     from fla.backends import BaseBackend, register
 
+    signature = inspect.signature(chunk_bwd_dqkwg)  # fla's own, which this function keeps
+
     @register("common")
     class TwinkleTorchBackend(BaseBackend):
         backend_type = "twinkle_specs_torch"
         priority = 9
 
         def chunk_bwd_dqkwg_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
-            call = inspect.signature(chunk_bwd_dqkwg).bind(*args, **kwargs).arguments
+            call = signature.bind(*args, **kwargs).arguments
             why = unsupported(call.get("g"), call.get("g_gamma"))
             return why is None, why
 
