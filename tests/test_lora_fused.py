@@ -249,11 +249,11 @@ def test_frozen_experts_base_runs_as_one_grouped_gemm(te, site, single_rank, mon
 
     monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: False)
     per_expert = _run(layer, forward, x, grad)
-    assert not hasattr(layer, "_lora_stacked")  # the stand-in (TE) base ran
+    assert not hasattr(layer, "_grouped_stack")  # the stand-in (TE) base ran
     monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: True)
     grouped = _run(layer, forward, x, grad)
     assert _rel(grouped, per_expert) <= REL_TOL
-    stack = layer._lora_stacked.get([w for _, w in layer.lora_base_weights()])
+    stack = layer._grouped_stack.get([w for _, w in layer.lora_base_weights()])
     assert stack.shape == (len(SPLITS), 24, 32)
     for e, (_, w) in enumerate(layer.lora_base_weights()):
         assert w.data_ptr() == stack[e].data_ptr() and isinstance(w, torch.nn.Parameter)
@@ -265,7 +265,7 @@ def test_frozen_experts_base_runs_as_one_grouped_gemm(te, site, single_rank, mon
     new_grouped = _run(layer, forward, x, grad)
     assert (
         layer.weight2.data_ptr()
-        == layer._lora_stacked.get([w for _, w in layer.lora_base_weights()])[2].data_ptr()
+        == layer._grouped_stack.get([w for _, w in layer.lora_base_weights()])[2].data_ptr()
     )
     monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: False)
     new_per_expert = _run(layer, forward, x, grad)

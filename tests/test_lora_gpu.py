@@ -284,7 +284,7 @@ def test_te_frozen_experts_on_grouped_mm_match_te_grouped_linear(lora_checkpoint
         return loss.item(), [p.grad.float().clone() for p in adapter_parameters(model)]
 
     loss, grads = loss_and_grads()
-    assert all(hasattr(m, "_lora_stacked") for m in grouped), "the grouped-GEMM base did not run"
+    assert all(hasattr(m, "_grouped_stack") for m in grouped), "the grouped-GEMM base did not run"
     declined: list[int] = []  # TE's GroupedLinear runs wherever the grouped-GEMM base is declined
     monkeypatch.setattr(te_layers._LoraTEGroupedLinear, "_frozen_base_stack", lambda *a: declined.append(1))
     te_loss, te_grads = loss_and_grads()
@@ -459,7 +459,7 @@ def test_te_fp8_lora_keeps_its_fused_paths(kind, lora_checkpoints, gpu, monkeypa
     assert model.config.fp8 == "hybrid" and fused_rope.launches > 0
     assert moe or fused_swiglu.launches > 0, "the SwiGLU LoRA kernel did not run under FP8"
     grouped = [m for m in model.modules() if isinstance(m, te_layers._LoraTEGroupedLinear)]
-    assert not any(hasattr(m, "_lora_stacked") for m in grouped), "torch's grouped GEMM ran an FP8 base"
+    assert not any(hasattr(m, "_grouped_stack") for m in grouped), "torch's grouped GEMM ran an FP8 base"
     cosine = _cosine(fp8_grads, bf16_grads)
     EVIDENCE.record(f"fp8_vs_bf16_{kind}", fp8_loss=fp8_loss, bf16_loss=bf16_loss, grad_cosine=cosine)
     assert abs(fp8_loss - bf16_loss) <= FP8_LOSS_RTOL * bf16_loss, (fp8_loss, bf16_loss)

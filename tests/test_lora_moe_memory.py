@@ -32,9 +32,10 @@ from twinkle_specs.lora.recompute import RoutedTokens
 TOKENS, HIDDEN, FFN, EXPERTS, TOPK, RANK = 24, 32, 16, 6, 2, 4
 
 
-def _moe_layer(te, **overrides):  # noqa: F811
+def _moe_layer(te, targets=("gate_proj", "up_proj", "down_proj"), **overrides):  # noqa: F811
     """A Qwen3-MoE-like layer's MoE block as megatron's TE spec composes it (TEGroupedMLP over the
-    stand-in grouped linears, TopKRouter, all-to-all dispatcher) after LoRA's spec pass, base frozen."""
+    stand-in grouped linears, TopKRouter, all-to-all dispatcher) after LoRA's spec pass (adapting
+    ``targets``), base frozen."""
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import TEGroupedMLP
@@ -83,13 +84,15 @@ def _moe_layer(te, **overrides):  # noqa: F811
         ),
         mlp=ModuleSpec(module=MoELayer, submodules=MoESubmodules(experts=experts, router=TopKRouter)),
     )
-    lora = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=["gate_proj", "up_proj", "down_proj"])
+    lora = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(targets))
     moe = build_module(lora_layer_submodules(sub, lora, config).mlp, config=config)
-    assert isinstance(moe.experts, lora_mlp.LoraGroupedMLP)
+    adapted = {"gate_proj", "up_proj", "down_proj"} & set(targets)
+    assert isinstance(moe.experts, lora_mlp.LoraGroupedMLP) == bool(adapted)
     for lin in (moe.experts.linear_fc1, moe.experts.linear_fc2):
-        randomize_layer(lin, std=0.2)
-        for _, w in lin.lora_base_weights():
-            w.requires_grad_(False)
+        if hasattr(lin, "lora_slots"):
+            randomize_layer(lin, std=0.2)
+        for name, w in lin.named_parameters():
+            w.requires_grad_(name.startswith("lora_"))
     moe.router.weight.requires_grad_(False)
     return moe
 
@@ -177,6 +180,45 @@ def test_routed_experts_keep_no_routed_activation(te, single_rank, cpu_recompute
     assert all(t.abs().max() > 0 for t in linked[2:])  # every factor trained
     routed = TOKENS * TOPK
     assert plain_bytes - linked_bytes >= 4 * routed * (HIDDEN + FFN), (plain_bytes, linked_bytes)
+
+
+@pytest.mark.parametrize("targets", [("q_proj",), ("q_proj", "down_proj")], ids=["none", "fc2-only"])
+def test_unadapted_experts_base_is_one_grouped_gemm(te, single_rank, cpu_recompute, monkeypatch, targets):  # noqa: F811
+    """Routed experts LoRA leaves unadapted (all of them, or fc1 where only down_proj is targeted) are
+    built as the frozen grouped linears, whose base is one grouped GEMM over the stacked expert weights
+    instead of TE's GEMM per expert (forced here: CPU runs torch's own kernel): the MoE block's output and
+    input gradient equal the per-expert run's (fp32, 1e-5 of the largest value), the weights keep their
+    names and values, and a weight that trains sends the base back to TE's GroupedLinear."""
+    moe = _moe_layer(te, targets)
+    fc1 = moe.experts.linear_fc1
+    assert isinstance(fc1, te.FrozenTEColumnParallelGroupedLinear)
+    assert isinstance(moe.experts.linear_fc2, te.FrozenTERowParallelGroupedLinear) == (targets == ("q_proj",))
+    assert not any(n.startswith("lora_") for n, _ in fc1.named_parameters())
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(TOKENS // 2, 2, HIDDEN, generator=g)
+    grad = torch.randn(TOKENS // 2, 2, HIDDEN, generator=g)
+    before = {n: t.clone() for n, t in moe.state_dict().items()}
+
+    monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: False)
+    per_expert = _step(moe, x, grad)
+    assert not hasattr(fc1, "_grouped_stack")
+    monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: True)
+    grouped = _step(moe, x, grad)
+    assert fc1._grouped_stack.get([getattr(fc1, f"weight{e}") for e in range(EXPERTS)]).shape == (
+        EXPERTS,
+        2 * FFN,
+        HIDDEN,
+    )
+    scale = max(t.abs().max() for t in per_expert)
+    assert max((a - b).abs().max() for a, b in zip(grouped, per_expert, strict=True)) <= 1e-5 * scale
+    assert grouped[1].abs().max() > 0
+    after = moe.state_dict()
+    assert sorted(after) == sorted(before) and all(torch.equal(after[n], t) for n, t in before.items())
+
+    fc1.weight0.requires_grad_(True)  # the experts' base trains: TE's GroupedLinear computes its gradient
+    del fc1._grouped_stack
+    _step(moe, x, grad)
+    assert not hasattr(fc1, "_grouped_stack") and fc1.weight0.grad is not None
 
 
 def test_routed_tokens_switch_off_when_the_order_differs(caplog):

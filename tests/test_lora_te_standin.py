@@ -67,7 +67,7 @@ class _Norm(torch.nn.Module):
 class _Grouped(torch.nn.Module):
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config, **_):
         super().__init__()
-        self.config = config
+        self.config, self.num_gemms = config, num_gemms
         for i in range(num_gemms):
             self.register_parameter(
                 f"weight{i}", torch.nn.Parameter(torch.randn(output_size, input_size) * 0.1)

@@ -69,7 +69,8 @@ def _with_submodules(spec: Any, submodules: Any) -> Any:
 
 
 def _wrap_mlp(spec: Any, prefix: str, sites: Sites, dropout: float) -> Any:
-    """An MLP-like spec (dense MLP, shared expert, experts) with its linear_fc1/fc2 wrapped."""
+    """An MLP-like spec (dense MLP, shared expert, experts) with its targeted linear_fc1/fc2 wrapped and
+    the grouped-GEMM experts' others frozen (:func:`_frozen`)."""
     sub = _submodules(spec)
     targeted = f"{prefix}linear_fc1" in sites or f"{prefix}linear_fc2" in sites
     if not hasattr(sub, "linear_fc1"):
@@ -79,14 +80,23 @@ def _wrap_mlp(spec: Any, prefix: str, sites: Sites, dropout: float) -> Any:
                 "Engine grouped-GEMM experts"
             )
         return spec
-    if not targeted:
-        return spec
-    sub = dataclasses.replace(
+    adapted = dataclasses.replace(
         sub,
-        linear_fc1=_wrap(sub.linear_fc1, f"{prefix}linear_fc1", sites, dropout),
-        linear_fc2=_wrap(sub.linear_fc2, f"{prefix}linear_fc2", sites, dropout),
+        linear_fc1=_frozen(_wrap(sub.linear_fc1, f"{prefix}linear_fc1", sites, dropout)),
+        linear_fc2=_frozen(_wrap(sub.linear_fc2, f"{prefix}linear_fc2", sites, dropout)),
     )
-    return _with_submodules(spec, sub)
+    return spec if adapted == sub else _with_submodules(spec, adapted)
+
+
+def _frozen(spec: Any) -> Any:
+    """A TE grouped-GEMM experts' linear that LoRA leaves unadapted as its frozen class, whose base runs as
+    one grouped GEMM (:class:`~twinkle_specs.lora.te_layers.FrozenGroupedBase`); any other spec unchanged."""
+    base = _class_of(spec)
+    if getattr(base, "__module__", None) != TE_MODULE:
+        return spec
+    from .te_layers import FROZEN
+
+    return _with_class(spec, FROZEN[base]) if base in FROZEN else spec
 
 
 def _unfused(spec: Any) -> tuple[Any, Any] | None:
@@ -248,7 +258,8 @@ def _with_mlp(
     mlp_sub = _submodules(mlp)
     if isinstance(mlp_sub, MoESubmodules):
         experts = _wrap_mlp(mlp_sub.experts, "experts.", sites, p)
-        if experts is not mlp_sub.experts and _class_of(experts) is TEGroupedMLP:
+        adapted = "experts.linear_fc1" in sites or "experts.linear_fc2" in sites
+        if adapted and _class_of(experts) is TEGroupedMLP:
             from .mlp import LoraGroupedMLP  # fc2's adapter input recomputed, not kept
 
             experts = _with_class(experts, LoraGroupedMLP)

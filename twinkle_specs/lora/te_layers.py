@@ -124,7 +124,53 @@ class LoraTERowParallelLinear(FrozenFp8WeightCache, LoraLinearMixin, TERowParall
     lora_parallel = "row"
 
 
-class _LoraTEGroupedLinear(FrozenFp8WeightCache, LoraLayerMixin):
+class FrozenGroupedBase:
+    """TE grouped-GEMM experts whose frozen base runs as one torch grouped GEMM (:class:`FrozenGroupedMM`
+    over the experts' weights stacked, :class:`StackedWeights`) where torch has it for these tensors,
+    instead of TE's GEMM per expert: with many small experts (Qwen3.5-MoE's 256 per layer) those launches,
+    not the arithmetic, set the step time. Weights that train, a bias, FP8/FP4 or a token block torch's
+    grouped GEMM does not take: TE's GroupedLinear, as built."""
+
+    def forward(self, x: torch.Tensor, m_splits: Any):
+        out, bias, _, _ = self._grouped_base(x, m_splits)
+        return out, bias
+
+    def _grouped_base(self, x: torch.Tensor, m_splits: Any) -> tuple[torch.Tensor, Any, list[int], Any]:
+        """``(out, bias, splits, ends)``: the base's output, the token blocks' sizes and, where the
+        grouped GEMM ran, their ends on the device (None where TE's GroupedLinear ran)."""
+        splits = m_splits.tolist() if torch.is_tensor(m_splits) else list(m_splits)
+        stack = self._frozen_base_stack(x, splits)
+        if stack is None:
+            out, bias = super().forward(x, m_splits)
+            return out, bias, splits, None
+        ends = group_ends(splits, x.device)
+        return FrozenGroupedMM.apply(x, stack, ends), None, splits, ends
+
+    def _frozen_base_stack(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor | None:
+        """The experts' weights as one [experts, out, in] tensor for :class:`FrozenGroupedMM`, or None
+        where TE's GroupedLinear runs the base (see the class)."""
+        config = self.config
+        if getattr(self, "use_bias", False) or getattr(config, "fp8", None) or getattr(config, "fp4", None):
+            return None
+        if not grouped_mm_fits(x, splits, self.weight0):
+            return None
+        weights = [getattr(self, f"weight{e}") for e in range(self.num_gemms)]
+        if any(w.requires_grad for w in weights):
+            return None
+        if not hasattr(self, "_grouped_stack"):
+            self._grouped_stack = StackedWeights()
+        return self._grouped_stack.get(weights)
+
+
+class FrozenTEColumnParallelGroupedLinear(FrozenGroupedBase, TEColumnParallelGroupedLinear):
+    """Experts' linear_fc1 that LoRA leaves unadapted (frozen): the base as one grouped GEMM."""
+
+
+class FrozenTERowParallelGroupedLinear(FrozenGroupedBase, TERowParallelGroupedLinear):
+    """Experts' linear_fc2 that LoRA leaves unadapted (frozen): the base as one grouped GEMM."""
+
+
+class _LoraTEGroupedLinear(FrozenFp8WeightCache, LoraLayerMixin, FrozenGroupedBase):
     def __init__(
         self,
         num_gemms: int,
@@ -149,14 +195,7 @@ class _LoraTEGroupedLinear(FrozenFp8WeightCache, LoraLayerMixin):
         )
 
     def forward(self, x: torch.Tensor, m_splits: Any):
-        splits = m_splits.tolist() if torch.is_tensor(m_splits) else list(m_splits)
-        frozen = self._frozen_base_stack(x, splits)
-        if frozen is not None:
-            ends = group_ends(splits, x.device)
-            out, bias = FrozenGroupedMM.apply(x, frozen, ends), None
-        else:
-            ends = None
-            out, bias = super().forward(x, m_splits)
+        out, bias, splits, ends = self._grouped_base(x, m_splits)
         if not self.lora_active():
             if self.lora_input_recipe:
                 self.lora_input_recipe.drop()  # merged: the router's record goes unused
@@ -172,22 +211,6 @@ class _LoraTEGroupedLinear(FrozenFp8WeightCache, LoraLayerMixin):
             delta = expert_delta_loop(x, a, b, splits, scaling)
         return out + delta.to(out.dtype), bias
 
-    def _frozen_base_stack(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor | None:
-        """The experts' weights as one [experts, out, in] tensor for :class:`FrozenGroupedMM`, where the
-        base can run as torch's grouped GEMM: frozen weights (no weight gradient to compute), no bias,
-        no fp8/fp4, a token block torch's grouped GEMM takes. None: TE's GroupedLinear runs it."""
-        config = self.config
-        if getattr(self, "use_bias", False) or getattr(config, "fp8", None) or getattr(config, "fp4", None):
-            return None
-        if not grouped_mm_fits(x, splits, self.weight0):
-            return None
-        weights = [w for _, w in self.lora_base_weights()]
-        if any(w.requires_grad for w in weights):
-            return None
-        if not hasattr(self, "_lora_stacked"):
-            self._lora_stacked = StackedWeights()
-        return self._lora_stacked.get(weights)
-
 
 class LoraTEColumnParallelGroupedLinear(_LoraTEGroupedLinear, TEColumnParallelGroupedLinear):
     """TE grouped-GEMM experts' linear_fc1 with per-expert adapters."""
@@ -200,6 +223,11 @@ class LoraTERowParallelGroupedLinear(_LoraTEGroupedLinear, TERowParallelGroupedL
 
     lora_parallel = "row"
 
+
+FROZEN = {  # experts' linears under LoRA that it does not adapt
+    TEColumnParallelGroupedLinear: FrozenTEColumnParallelGroupedLinear,
+    TERowParallelGroupedLinear: FrozenTERowParallelGroupedLinear,
+}
 
 WRAPPERS = {
     TEColumnParallelLinear: LoraTEColumnParallelLinear,
