@@ -303,10 +303,16 @@ def _places(spans: list[tuple[int, int]], gap: int, device: torch.device) -> tor
     return torch.cat([torch.arange(a, b) + gap * (i + 1) for i, (a, b) in enumerate(spans)]).to(device)
 
 
+def packed_bounds(params) -> torch.Tensor:
+    """The sequence bounds of a packed batch (megatron's ``PackedSeqParams``) that every layer restarts at:
+    the padded ones where given, as megatron's RoPE uses them."""
+    return params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+
+
 def _sequences(params, qkvzba: torch.Tensor) -> list[tuple[int, int]]:
     """[start, end) of each packed sequence (the padded bounds where given), covering all tokens."""
     if params.qkv_format != "thd" or qkvzba.shape[0] != 1:
         raise NotImplementedError("Gated DeltaNet takes packed sequences in THD format (micro-batch 1) only")
-    bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-    cuts = sorted({0, qkvzba.shape[1], *(int(b) for b in bounds.tolist() if 0 < b < qkvzba.shape[1])})
+    inner = (int(b) for b in packed_bounds(params).tolist() if 0 < b < qkvzba.shape[1])
+    cuts = sorted({0, qkvzba.shape[1], *inner})
     return list(zip(cuts[:-1], cuts[1:], strict=True))

@@ -25,6 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from .gdn import packed_bounds
 from .hybrid_spec import hybrid_layer_submodules, is_hybrid
 
 
@@ -81,7 +82,7 @@ class SDPACoreAttention(MegatronModule):
         nothing across them (the padded bounds where given, as megatron's RoPE uses them)."""
         if params.qkv_format != "thd":
             raise NotImplementedError(f"packed sequences in {params.qkv_format!r} format need the TE path")
-        bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        bounds = packed_bounds(params)
         tokens = query.shape[0]
         seq = torch.bucketize(torch.arange(tokens, device=query.device), bounds.to(query.device), right=True)
         pos = torch.arange(tokens, device=query.device)
