@@ -99,19 +99,19 @@ def run_child(payload: dict, name: str, args, log) -> dict:
         proc = subprocess.run(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
         )
-        output, rc = proc.stdout, proc.returncode
+        output = proc.stdout
+        why = f"child process exited {proc.returncode} after {time.perf_counter() - t0:.0f} s"
     except subprocess.TimeoutExpired as err:
-        output, rc = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), -9
-        output += f"\n[timed out after {timeout:.0f} s]"
+        output = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        # the harness's own limit, not a crash: say which, so a cut variant is not read as a failure
+        limit = "--variant-timeout" if timeout >= args.variant_timeout else "what was left of --budget"
+        why = f"stopped by the harness after {timeout:.0f} s ({limit})"
+        output += f"\n[{why}]"
     log.write(tail_lines(output, 200))
     log.flush()
     if result_file.exists():
         return json.loads(result_file.read_text())
-    return {
-        "status": "error",
-        "error": f"child process exited {rc} after {time.perf_counter() - t0:.0f} s without a result",
-        "log_tail": output[-3000:],
-    }
+    return {"status": "error", "error": f"{why} without a result", "log_tail": output[-3000:]}
 
 
 def make_checkpoint(hf_dir: Path, name: str, args, log) -> dict:

@@ -1311,3 +1311,28 @@ def test_fp8_variant_builds_under_the_fp8_flags():
     if not torch.cuda.is_available():  # never run eager under its name
         graphs = dataclasses.replace(graphs, fp8=False)
         assert graphs.why_not(Path("unused"), s) == "CUDA graphs need a CUDA GPU"
+
+
+@pytest.mark.parametrize("cut_by", ["--variant-timeout", "what was left of --budget"])
+def test_a_child_cut_at_its_time_limit_says_which_limit(cut_by, tmp_path, monkeypatch):
+    """A variant the harness stops at its time limit reports that limit, not a bare ``exited -9`` that reads
+    as a crash; a real child process (still importing when the 1 s limit ends it)."""
+    import io
+    import time
+    import types
+
+    from bench import processes
+
+    wide = cut_by == "--variant-timeout"
+    args = types.SimpleNamespace(
+        out=tmp_path,
+        budget=None if wide else 100.0,
+        variant_timeout=1.0 if wide else 600.0,
+        started=time.monotonic(),
+    )
+    monkeypatch.setattr(processes, "time_left", lambda a, wanted: min(wanted, 1.0))
+    log = io.StringIO()
+    result = processes.run_child({}, "tiny-qwen3__twinkle_lora", args, log)
+    assert result["status"] == "error"
+    assert result["error"] == f"stopped by the harness after 1 s ({cut_by}) without a result", result
+    assert f"[stopped by the harness after 1 s ({cut_by})]" in log.getvalue()
