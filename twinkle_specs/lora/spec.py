@@ -72,9 +72,8 @@ def _wrap_mlp(spec: Any, prefix: str, sites: Sites, dropout: float) -> Any:
     """An MLP-like spec (dense MLP, shared expert, experts) with its targeted linear_fc1/fc2 wrapped and
     the grouped-GEMM experts' others frozen (:func:`_frozen`)."""
     sub = _submodules(spec)
-    targeted = f"{prefix}linear_fc1" in sites or f"{prefix}linear_fc2" in sites
     if not hasattr(sub, "linear_fc1"):
-        if targeted:
+        if _mlp_targeted(prefix, sites):
             raise NotImplementedError(
                 f"LoRA cannot adapt {spec!r} (no per-linear submodules); use SequentialMLP or Transformer "
                 "Engine grouped-GEMM experts"
@@ -86,6 +85,11 @@ def _wrap_mlp(spec: Any, prefix: str, sites: Sites, dropout: float) -> Any:
         linear_fc2=_frozen(_wrap(sub.linear_fc2, f"{prefix}linear_fc2", sites, dropout)),
     )
     return spec if adapted == sub else _with_submodules(spec, adapted)
+
+
+def _mlp_targeted(prefix: str, sites: Sites) -> bool:
+    """Whether LoRA adapts the linear_fc1 or linear_fc2 of the MLP-like module at ``prefix``."""
+    return f"{prefix}linear_fc1" in sites or f"{prefix}linear_fc2" in sites
 
 
 def _frozen(spec: Any) -> Any:
@@ -258,8 +262,7 @@ def _with_mlp(
     mlp_sub = _submodules(mlp)
     if isinstance(mlp_sub, MoESubmodules):
         experts = _wrap_mlp(mlp_sub.experts, "experts.", sites, p)
-        adapted = "experts.linear_fc1" in sites or "experts.linear_fc2" in sites
-        if adapted and _class_of(experts) is TEGroupedMLP:
+        if _mlp_targeted("experts.", sites) and _class_of(experts) is TEGroupedMLP:
             from .mlp import LoraGroupedMLP  # fc2's adapter input recomputed, not kept
 
             experts = _with_class(experts, LoraGroupedMLP)
