@@ -56,7 +56,12 @@ PATHS = {
     "qwen3": "FastQwen3Model",
     "qwen2": "FastQwen2Model",
     "qwen3_moe": "FastModel (compiled modules, grouped-GEMM experts)",
+    "qwen3_5_text": "FastModel (compiled modules, fla's Gated DeltaNet rule as one op)",
+    "qwen3_5_moe_text": "FastModel (compiled modules, fla's Gated DeltaNet rule as one op, grouped-GEMM experts)",
 }
+# model types whose layers are not q/k/v/o + SwiGLU alone (the Gated DeltaNet projections, a shared expert):
+# their targets are every linear layer's name, as peft's all-linear takes them for (d), see _all_linear
+ALL_LINEAR = {"qwen3_5_text", "qwen3_5_moe_text"}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GRADIENT_CHECKPOINTING: bool | str = False
 GC_ENV = "BENCH_UNSLOTH_GRADIENT_CHECKPOINTING"
@@ -95,6 +100,14 @@ def unavailable(hf_dir: Path, s: Settings) -> str | None:
             "take its generic FastModel path for it, which was not checked here"
         )
     return None
+
+
+def _all_linear(model) -> list[str]:
+    """The names of ``model``'s linear layers as peft's all-linear picks them for the transformers peers:
+    every ``nn.Linear`` but the output layer and an MoE shared expert's one-output gate (which (c) and (d)
+    leave out alike, :func:`bench.build_hf._peft`)."""
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return sorted(names - {"lm_head", "shared_expert_gate"})
 
 
 def _gradient_checkpointing() -> bool | str:
@@ -194,13 +207,15 @@ def lora(hf_dir: Path, s: Settings) -> Prepared:
             random_state=s.seed,
         )
     generic = os.environ.get("UNSLOTH_USE_NEW_MODEL") == "1"  # the loader ran FastModel, not the Llama family
+    model_type = _model_type(hf_dir)
+    targets = _all_linear(model) if model_type in ALL_LINEAR else list(TARGETS)
     model = FastLanguageModel.get_peft_model(
         model,
         r=s.lora_r,
         lora_alpha=s.lora_alpha,
         lora_dropout=0.0,
         bias="none",
-        target_modules=list(TARGETS),
+        target_modules=targets,
         use_gradient_checkpointing=gc_mode,
         random_state=s.seed,
         use_rslora=False,
@@ -209,7 +224,6 @@ def lora(hf_dir: Path, s: Settings) -> Prepared:
     model = FastLanguageModel.for_training(model, use_gradient_checkpointing=gc_mode)
     versions = _versions()
     base = str(model.get_input_embeddings().weight.dtype).removeprefix("torch.")  # what Unsloth loaded
-    model_type = _model_type(hf_dir)
     result: dict[str, Any] = {
         "impl": (
             f"unsloth {versions['unsloth']} (unsloth_zoo {versions['unsloth_zoo']}): "
@@ -222,9 +236,16 @@ def lora(hf_dir: Path, s: Settings) -> Prepared:
             getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
         ),
         "fused_lora": _fused_lora(model),
-        "lora_targets": list(TARGETS),
+        "lora_targets": targets,
         "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF"),  # unsloth_zoo sets expandable segments on import
     }
+    if model_type in ALL_LINEAR:
+        # Unsloth runs fla's rule as one op; where fla refuses its gated chunk_bwd_dqkwg (Hopper, Triton
+        # < 3.7.1), the torch one that twinkle's layers and the transformers peers use stands in
+        from twinkle_specs.gdn import train_on_fla, training_rule
+
+        train_on_fla()
+        result["gdn_rule"] = training_rule(True)
     target_parameters = getattr(model.peft_config["default"], "target_parameters", None)
     if target_parameters:
         result["lora_target_parameters"] = list(target_parameters)
