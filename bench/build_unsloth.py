@@ -103,10 +103,16 @@ def unavailable(hf_dir: Path, s: Settings) -> str | None:
 
 
 def _all_linear(model) -> list[str]:
-    """The names of ``model``'s linear layers as peft's all-linear picks them for the transformers peers:
-    every ``nn.Linear`` but the output layer and an MoE shared expert's one-output gate (which (c) and (d)
-    leave out alike, :func:`bench.build_hf._peft`)."""
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    """``model``'s linear layers as peft's all-linear picks them for the transformers peers: every
+    ``nn.Linear`` but the output layer and an MoE shared expert's one-output gate (which (c) and (d) leave
+    out alike, :func:`bench.build_hf._peft`). A shared expert's projections are named with their parent
+    (``shared_expert.gate_proj``): Unsloth reads a bare ``gate_proj``/``up_proj``/``down_proj`` in an MoE
+    model as a request for LoRA on the routed experts too, which neither (c) nor (d) trains."""
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            parts = name.split(".")
+            names.add(".".join(parts[-2:]) if parts[-2:-1] == ["shared_expert"] else parts[-1])
     return sorted(names - {"lm_head", "shared_expert_gate"})
 
 
@@ -152,9 +158,14 @@ def _fused_lora(model) -> str:
         ),
         [],
     )
-    qkv = sum(_name(getattr(layer.self_attn, "apply_qkv", None)) == "apply_lora_qkv" for layer in layers)
-    out = sum(_name(getattr(layer.self_attn, "apply_o", None)) == "apply_lora_o" for layer in layers)
-    mlp = sum(_name(getattr(layer.mlp, "forward", None)).startswith("apply_lora_mlp") for layer in layers)
+    # a hybrid model's linear-attention layers have no self_attn
+    attn = [getattr(layer, "self_attn", None) for layer in layers]
+    qkv = sum(_name(getattr(a, "apply_qkv", None)) == "apply_lora_qkv" for a in attn)
+    out = sum(_name(getattr(a, "apply_o", None)) == "apply_lora_o" for a in attn)
+    mlp = sum(
+        _name(getattr(getattr(layer, "mlp", None), "forward", None)).startswith("apply_lora_mlp")
+        for layer in layers
+    )
     return f"of {len(layers)} layers: QKV {qkv}, O {out}, MLP {mlp}"
 
 
