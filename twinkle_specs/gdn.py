@@ -27,6 +27,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from twinkle_specs import gdn_conv
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """fla's (and transformers') L2 normalisation of q and k, in fp32."""
@@ -236,20 +238,8 @@ class PortableGatedDeltaNet(GatedDeltaNet):
             [self.conv_dim // tp, self.v_dim // tp, self.num_value_heads // tp, self.num_value_heads // tp],
             dim=-1,
         )
-        qkv = qkv.transpose(1, 2).contiguous()  # [b, d, s]
-        if spans is not None:  # (kernel - 1) zeros before each sequence: one convolution restarts at each
-            places = _places(spans, self.conv_kernel_dim - 1, qkv.device)
-            wide = seq_len + len(spans) * (self.conv_kernel_dim - 1)
-            qkv = qkv.new_zeros(*qkv.shape[:2], wide).index_copy(2, places, qkv)
-        conv = _causal_conv1d() if qkv.is_cuda and not self.config.deterministic_mode else None
-        if conv is None:
-            qkv = self.act_fn(self.conv1d(qkv)[..., : qkv.shape[-1]])
-        else:
-            qkv = conv(x=qkv, weight=self.conv1d.weight.squeeze(1), bias=None, activation=self.activation)
-        if spans is not None:
-            qkv = qkv.index_select(2, places)
         query, key, value = torch.split(
-            qkv.transpose(1, 2), [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1
+            self._conv(qkv, spans), [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1
         )
         query = query.reshape(batch, seq_len, -1, self.key_head_dim)
         key = key.reshape(batch, seq_len, -1, self.key_head_dim)
@@ -287,6 +277,27 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         out = self._apply_gated_norm(out, gate.reshape(batch, seq_len, -1, self.value_head_dim))
         return out.reshape(batch, seq_len, -1)
 
+    def _conv(self, qkv: torch.Tensor, spans: list[tuple[int, int]] | None) -> torch.Tensor:
+        """The short convolution with its activation, [b, s, d] -> [b, s, d], each packed sequence from its own
+        start: causal-conv1d where installed; else, on CUDA, :mod:`twinkle_specs.gdn_conv`'s kernels, which
+        read ``qkv`` where it lies; else torch's depthwise ``conv1d`` over a [b, d, s] copy."""
+        weight = self.conv1d.weight.squeeze(1)
+        causal_conv1d = _causal_conv1d() if qkv.is_cuda and not self.config.deterministic_mode else None
+        if causal_conv1d is None and gdn_conv.usable(qkv, weight, self.activation):
+            return gdn_conv.conv_silu(qkv, weight, None if spans is None else _starts(spans, qkv.device))
+        x = qkv.transpose(1, 2).contiguous()  # [b, d, s]
+        if spans is not None:  # (kernel - 1) zeros before each sequence: one convolution restarts at each
+            places = _places(spans, self.conv_kernel_dim - 1, x.device)
+            wide = x.shape[-1] + len(spans) * (self.conv_kernel_dim - 1)
+            x = x.new_zeros(*x.shape[:2], wide).index_copy(2, places, x)
+        if causal_conv1d is None:
+            x = self.act_fn(self.conv1d(x)[..., : x.shape[-1]])
+        else:
+            x = causal_conv1d(x=x, weight=weight, bias=None, activation=self.activation)
+        if spans is not None:
+            x = x.index_select(2, places)
+        return x.transpose(1, 2)
+
     def _apply_gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """megatron-core's gated norm; compiled (its ``jit_fuser``) only on CUDA, where compiling pays."""
         if x.is_cuda:
@@ -301,6 +312,12 @@ class PortableGatedDeltaNet(GatedDeltaNet):
 def _places(spans: list[tuple[int, int]], gap: int, device: torch.device) -> torch.Tensor:
     """Where each token of the packed spans sits in a row that puts ``gap`` zeros before each span."""
     return torch.cat([torch.arange(a, b) + gap * (i + 1) for i, (a, b) in enumerate(spans)]).to(device)
+
+
+def _starts(spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """Each token's sequence start (int32) in a row of the packed spans."""
+    first = torch.tensor([a for a, _ in spans], dtype=torch.int32)
+    return torch.repeat_interleave(first, torch.tensor([b - a for a, b in spans])).to(device)
 
 
 def packed_bounds(params) -> torch.Tensor:

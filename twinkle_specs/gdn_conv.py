@@ -1,0 +1,261 @@
+"""The Gated DeltaNet's short convolution and its SiLU, channel-last, one Triton kernel forward, two backward.
+
+Each channel of the layer's [q; k; v] is mixed over its last ``K`` tokens (``K`` = 4), then SiLU'd: what
+causal-conv1d's ``causal_conv1d_fn(..., activation="silu")`` computes. Where causal-conv1d is not installed
+(PyPI has it as a source package only, built against one torch and CUDA), torch's depthwise ``conv1d`` wants
+[b, channels, s]: the in_proj output [b, s, x] is transposed into a copy, convolved by torch's generic
+depthwise kernel, activated by another kernel, and read back through a transposed view, and the backward
+repeats it all. At the Qwen3.5-9B shape (8,192 channels, 4,096 tokens) that was about 1.3 ms of each Gated
+DeltaNet layer's forward and backward on an H100. Here the forward reads in_proj's output where it lies (any
+row stride, channels contiguous) and writes silu(conv) [b, s, channels]; the backward recomputes the
+pre-activation from the input (nothing else is saved), writes SiLU's gradient once and turns it into the
+input gradient, with the weight gradient summed from per-block partials (no atomics: the same result on
+every run).
+
+Packed rows (``starts``: int32 [s], each token's sequence start; micro-batch 1) stop every tap at its
+sequence's first token, as that sequence alone would see zeros before it.
+
+Rounding: products summed in fp32, SiLU in fp32, the output rounded once to the input dtype; SiLU's
+gradient rounded to the input dtype before the input-gradient pass (as autograd of the bf16 torch path
+hands it on), the weight gradient accumulated from the fp32 value.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch path serves CPU tensors and machines without Triton
+    triton = None
+
+# fixed launch configurations (autotuning would have to finish before CUDA-graph capture): token block,
+# channel block, warps
+BLOCKS = (32, 128, 4)
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor, activation: str) -> bool:
+    """Whether :func:`conv_silu` runs its kernels for ``x`` [b, s, c] (a CUDA half-precision tensor with
+    contiguous channels) and ``weight`` [c, K]."""
+    return (
+        triton is not None
+        and activation == "silu"
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.stride(-1) == 1
+        and weight.dtype == x.dtype
+    )
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(causal depthwise conv) of ``x`` [b, s, c] with ``weight`` [c, K], in fp32 (tests' reference),
+    each packed sequence from its own start."""
+    b, s, c = x.shape
+    k = weight.shape[1]
+    xs = x.float()
+    out = torch.zeros(b, s, c, dtype=torch.float32, device=x.device)
+    t = torch.arange(s, device=x.device)
+    lo = torch.zeros_like(t) if starts is None else starts.long()
+    for j in range(k):
+        src = t - (k - 1) + j
+        ok = src >= lo
+        tap = xs[:, src.clamp(min=0)] * ok[None, :, None]
+        out = out + tap * weight[:, j].float()
+    return F.silu(out)
+
+
+def conv_silu(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(causal depthwise conv) of ``x`` [b, s, c] with ``weight`` [c, K] -> [b, s, c] (contiguous),
+    differentiable in both; ``starts`` (int32 [s], b = 1) restarts it at each packed sequence."""
+    if starts is not None and x.shape[0] != 1:
+        raise ValueError(f"packed sequences (starts) come as one row, b = 1, not {x.shape[0]}")
+    return _ConvSilu.apply(x, weight, starts)
+
+
+class _ConvSilu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, starts):
+        ctx.save_for_backward(x, weight, starts)
+        return _forward(x, weight, starts)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, starts = ctx.saved_tensors
+        dx, dw = _backward(dy, x, weight, starts, ctx.needs_input_grad[1])
+        return dx, dw, None
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+    b, s, c = x.shape
+    y = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
+    bt, bc, warps = BLOCKS
+    _fwd_kernel[(triton.cdiv(s, bt), triton.cdiv(c, bc), b)](
+        x, weight, y, x if starts is None else starts, s, c, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
+        K=weight.shape[1], HAS_START=starts is not None, BT=bt, BC=bc, num_warps=warps,
+    )  # fmt: skip
+    return y
+
+
+def _backward(dy, x, weight, starts, weight_grad: bool):
+    b, s, c = x.shape
+    k = weight.shape[1]
+    bt, bc, warps = BLOCKS
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    grid = (triton.cdiv(s, bt), triton.cdiv(c, bc), b)
+    ds = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
+    partial = torch.empty(b * grid[0], c, k, dtype=torch.float32, device=x.device) if weight_grad else ds
+    start = x if starts is None else starts
+    _bwd_silu_kernel[grid](
+        x, weight, dy, start, ds, partial, s, c, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
+        K=k, HAS_START=starts is not None, WEIGHT_GRAD=weight_grad, BT=bt, BC=bc, num_warps=warps,
+    )  # fmt: skip
+    dx = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
+    _bwd_input_kernel[grid](
+        ds, weight, start, dx, s, c, K=k, HAS_START=starts is not None, BT=bt, BC=bc, num_warps=warps
+    )  # fmt: skip
+    dw = partial.sum(0).to(weight.dtype) if weight_grad else None
+    return dx, dw
+
+
+if triton is not None:
+
+    @triton.jit
+    def _conv_tile(
+        x_ptr,
+        w_ptr,
+        start_ptr,
+        b,
+        t,
+        c,
+        tmask,
+        cmask,
+        s_xb,
+        s_xt,
+        K: tl.constexpr,
+        HAS_START: tl.constexpr,
+        BT: tl.constexpr,
+        BC: tl.constexpr,
+    ):
+        """The pre-activation of tokens ``t`` x channels ``c`` in fp32."""
+        if HAS_START:
+            lo = tl.load(start_ptr + t, mask=tmask, other=0)
+        else:
+            lo = tl.zeros_like(t)
+        acc = tl.zeros((BT, BC), dtype=tl.float32)
+        for j in tl.static_range(K):
+            src = t - (K - 1) + j
+            ok = tmask & (src >= lo)
+            tap = tl.load(
+                x_ptr + b * s_xb + src[:, None] * s_xt + c[None, :],
+                mask=ok[:, None] & cmask[None, :],
+                other=0.0,
+            )
+            w = tl.load(w_ptr + c * K + j, mask=cmask, other=0.0)
+            acc += tap.to(tl.float32) * w.to(tl.float32)[None, :]
+        return acc  # fmt: skip
+
+    @triton.jit
+    def _fwd_kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        start_ptr,
+        S,
+        C,
+        s_xb,
+        s_xt,
+        s_yb,
+        s_yt,
+        K: tl.constexpr,
+        HAS_START: tl.constexpr,
+        BT: tl.constexpr,
+        BC: tl.constexpr,
+    ):
+        b = tl.program_id(2)
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        tmask, cmask = t < S, c < C
+        a = _conv_tile(x_ptr, w_ptr, start_ptr, b, t, c, tmask, cmask, s_xb, s_xt, K, HAS_START, BT, BC)
+        y = a * tl.sigmoid(a)
+        tl.store(y_ptr + b * s_yb + t[:, None] * s_yt + c[None, :], y.to(y_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])  # fmt: skip
+
+    @triton.jit
+    def _bwd_silu_kernel(
+        x_ptr,
+        w_ptr,
+        dy_ptr,
+        start_ptr,
+        ds_ptr,
+        part_ptr,
+        S,
+        C,
+        s_xb,
+        s_xt,
+        s_db,
+        s_dt,
+        K: tl.constexpr,
+        HAS_START: tl.constexpr,
+        WEIGHT_GRAD: tl.constexpr,
+        BT: tl.constexpr,
+        BC: tl.constexpr,
+    ):
+        """SiLU's gradient ds (rounded to the input dtype, [b, s, c] contiguous) and, with WEIGHT_GRAD, this
+        token block's share of the weight gradient, sum over t of ds[t] * x[t - (K - 1) + j], in fp32."""
+        b = tl.program_id(2)
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        tmask, cmask = t < S, c < C
+        mask = tmask[:, None] & cmask[None, :]
+        a = _conv_tile(x_ptr, w_ptr, start_ptr, b, t, c, tmask, cmask, s_xb, s_xt, K, HAS_START, BT, BC)
+        sig = tl.sigmoid(a)
+        dy = tl.load(dy_ptr + b * s_db + t[:, None] * s_dt + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        ds = dy * sig * (1.0 + a * (1.0 - sig))
+        tl.store(ds_ptr + (b * S + t[:, None]) * C + c[None, :], ds.to(ds_ptr.dtype.element_ty), mask=mask)
+        if WEIGHT_GRAD:
+            if HAS_START:
+                lo = tl.load(start_ptr + t, mask=tmask, other=0)
+            else:
+                lo = tl.zeros_like(t)
+            row = b * tl.num_programs(0) + tl.program_id(0)
+            for j in tl.static_range(K):
+                src = t - (K - 1) + j
+                ok = tmask & (src >= lo)
+                tap = tl.load(
+                    x_ptr + b * s_xb + src[:, None] * s_xt + c[None, :],
+                    mask=ok[:, None] & cmask[None, :],
+                    other=0.0,
+                )
+                tl.store(part_ptr + (row * C + c) * K + j, tl.sum(ds * tap.to(tl.float32), axis=0), mask=cmask)  # fmt: skip
+
+    @triton.jit
+    def _bwd_input_kernel(
+        ds_ptr,
+        w_ptr,
+        start_ptr,
+        dx_ptr,
+        S,
+        C,
+        K: tl.constexpr,
+        HAS_START: tl.constexpr,
+        BT: tl.constexpr,
+        BC: tl.constexpr,
+    ):
+        """dx[t] = sum over j of w[j] * ds[t + (K - 1) - j], over the outputs of t's own sequence."""
+        b = tl.program_id(2)
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        tmask, cmask = t < S, c < C
+        acc = tl.zeros((BT, BC), dtype=tl.float32)
+        for j in tl.static_range(K):
+            dst = t + (K - 1) - j
+            ok = tmask & (dst < S)
+            if HAS_START:  # the output at dst is in t's sequence where that sequence starts at or before t
+                ok = ok & (tl.load(start_ptr + dst, mask=ok, other=0) <= t)
+            d = tl.load(
+                ds_ptr + (b * S + dst[:, None]) * C + c[None, :], mask=ok[:, None] & cmask[None, :], other=0.0
+            )
+            w = tl.load(w_ptr + c * K + j, mask=cmask, other=0.0)
+            acc += d.to(tl.float32) * w.to(tl.float32)[None, :]
+        tl.store(dx_ptr + (b * S + t[:, None]) * C + c[None, :], acc.to(dx_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])  # fmt: skip
