@@ -1336,3 +1336,35 @@ def test_a_child_cut_at_its_time_limit_says_which_limit(cut_by, tmp_path, monkey
     assert result["status"] == "error"
     assert result["error"] == f"stopped by the harness after 1 s ({cut_by}) without a result", result
     assert f"[stopped by the harness after 1 s ({cut_by})]" in log.getvalue()
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen3.5", "tiny-qwen3.5-moe"])
+def test_unsloth_targets_are_the_adapters_peft_all_linear_trains(shape):
+    """(j)'s LoRA targets on a hybrid model adapt exactly the modules (d)'s all-linear adapts (the shared
+    expert's one-output gate left out by both), and no bare MLP name that Unsloth would also send to the
+    routed experts."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from bench.build_hf import Tuning, _peft
+    from bench.build_unsloth import _all_linear
+    from bench.settings import Settings
+    from bench.shapes import hf_config
+
+    def adapted(model) -> set[str]:
+        return {
+            n.removesuffix(".lora_A.default")
+            for n, _ in model.named_modules()
+            if n.endswith(".lora_A.default")
+        }
+
+    def build():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(hf_config(shape))
+
+    targets = _all_linear(build())
+    ours = peft.get_peft_model(build(), peft.LoraConfig(r=4, target_modules=targets))
+    reference = _peft(build(), Settings(lora_r=4), Tuning(), {})
+    assert adapted(ours) == adapted(reference) and any(".linear_attn." in n for n in adapted(ours))
+    if "moe" in shape:
+        assert {"gate_proj", "up_proj", "down_proj"}.isdisjoint(targets), targets
