@@ -122,39 +122,29 @@ def _backward(dy, x, weight, starts, weight_grad: bool):
 if triton is not None:
 
     @triton.jit
-    def _conv_tile(
-        x_ptr,
-        w_ptr,
-        start_ptr,
-        b,
-        t,
-        c,
-        tmask,
-        cmask,
-        s_xb,
-        s_xt,
-        K: tl.constexpr,
-        HAS_START: tl.constexpr,
-        BT: tl.constexpr,
-        BC: tl.constexpr,
-    ):
-        """The pre-activation of tokens ``t`` x channels ``c`` in fp32."""
+    def _sequence_starts(start_ptr, t, tmask, HAS_START: tl.constexpr):
+        """Each token's sequence start: from ``starts`` for a packed row, else 0."""
         if HAS_START:
-            lo = tl.load(start_ptr + t, mask=tmask, other=0)
-        else:
-            lo = tl.zeros_like(t)
+            return tl.load(start_ptr + t, mask=tmask, other=0)
+        return tl.zeros_like(t)
+
+    @triton.jit
+    def _tap(x_ptr, b, t, c, lo, tmask, cmask, s_xb, s_xt, j, K: tl.constexpr):
+        """x[t - (K - 1) + j] for tokens ``t`` x channels ``c``, zero before each token's sequence start."""
+        src = t - (K - 1) + j
+        ok = tmask & (src >= lo)
+        return tl.load(x_ptr + b * s_xb + src[:, None] * s_xt + c[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)  # fmt: skip
+
+    @triton.jit
+    def _conv_tile(x_ptr, w_ptr, start_ptr, b, t, c, tmask, cmask, s_xb, s_xt, K: tl.constexpr, HAS_START: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+        """The pre-activation of tokens ``t`` x channels ``c`` in fp32."""
+        lo = _sequence_starts(start_ptr, t, tmask, HAS_START)
         acc = tl.zeros((BT, BC), dtype=tl.float32)
         for j in tl.static_range(K):
-            src = t - (K - 1) + j
-            ok = tmask & (src >= lo)
-            tap = tl.load(
-                x_ptr + b * s_xb + src[:, None] * s_xt + c[None, :],
-                mask=ok[:, None] & cmask[None, :],
-                other=0.0,
-            )
+            tap = _tap(x_ptr, b, t, c, lo, tmask, cmask, s_xb, s_xt, j, K)
             w = tl.load(w_ptr + c * K + j, mask=cmask, other=0.0)
             acc += tap.to(tl.float32) * w.to(tl.float32)[None, :]
-        return acc  # fmt: skip
+        return acc
 
     @triton.jit
     def _fwd_kernel(
@@ -214,19 +204,10 @@ if triton is not None:
         ds = dy * sig * (1.0 + a * (1.0 - sig))
         tl.store(ds_ptr + (b * S + t[:, None]) * C + c[None, :], ds.to(ds_ptr.dtype.element_ty), mask=mask)
         if WEIGHT_GRAD:
-            if HAS_START:
-                lo = tl.load(start_ptr + t, mask=tmask, other=0)
-            else:
-                lo = tl.zeros_like(t)
+            lo = _sequence_starts(start_ptr, t, tmask, HAS_START)
             row = b * tl.num_programs(0) + tl.program_id(0)
             for j in tl.static_range(K):
-                src = t - (K - 1) + j
-                ok = tmask & (src >= lo)
-                tap = tl.load(
-                    x_ptr + b * s_xb + src[:, None] * s_xt + c[None, :],
-                    mask=ok[:, None] & cmask[None, :],
-                    other=0.0,
-                )
+                tap = _tap(x_ptr, b, t, c, lo, tmask, cmask, s_xb, s_xt, j, K)
                 tl.store(part_ptr + (row * C + c) * K + j, tl.sum(ds * tap.to(tl.float32), axis=0), mask=cmask)  # fmt: skip
 
     @triton.jit
