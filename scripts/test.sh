@@ -4,6 +4,10 @@
 #   leg 0.19: Python 3.12 in .venv-mcore019 with megatron-core 0.19.x, whose wheel also ships
 #             megatron/training, so the tests against Megatron-LM's own parser and checkpoint loader run.
 # `--leg 0.16` or `--leg 0.19` runs one leg; other arguments go to pytest. GPU tests skip themselves here.
+# Tests marked one_leg (pyproject.toml: the Slurm and Ray launch scripts' own mechanics, which exercise no
+# megatron-core version-specific code) run on leg 0.16 only: leg 0.19 sets TWINKLE_SKIP_ONE_LEG=1.
+# pytest runs on PYTEST_WORKERS (default 2) pytest-xdist workers, each test module whole on one worker (its
+# module fixtures start a cluster or one torchrun per world size once); 0 runs it in the pytest process.
 # Set-up adds the dev/test extras and two system packages for the launch-script tests: a real Slurm
 # (Debian's slurm-wlm daemons + client, started by tests/launch/test_launch_slurm.py; only the three
 # packages the tests run, without the dozens of -dev/-plugin recommends of the slurm-wlm metapackage) and
@@ -20,6 +24,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 py=${PYTHON:-python3}
+# On the 2-core CI machine much of a test's time is a subprocess starting up (imports) on one core.
+workers=(-n "${PYTEST_WORKERS:-2}" --dist loadfile)
 MCORE_019=0.19.2
 
 system_packages() {
@@ -77,12 +83,12 @@ for leg in "${legs[@]}"; do
       $py -m pip install -q -e ".[dev,ray,bench]"
       $py -m ruff check .
       echo "== leg 0.16: $($py --version), megatron-core $($py -c 'import megatron.core as m; print(m.__version__)')"
-      $py -m pytest -q -rs "${pytest_args[@]}" || failed+=(0.16)
+      $py -m pytest -q -rs "${workers[@]}" "${pytest_args[@]}" || failed+=(0.16)
       ;;
     0.19)
       py019=$(setup_019)
       echo "== leg 0.19: $($py019 --version), megatron-core $($py019 -c 'import megatron.core as m; print(m.__version__)')"
-      $py019 -m pytest -q -rs "${pytest_args[@]}" || failed+=(0.19)
+      TWINKLE_SKIP_ONE_LEG=1 $py019 -m pytest -q -rs "${workers[@]}" "${pytest_args[@]}" || failed+=(0.19)
       ;;
     *) echo "test: unknown leg $leg (0.16 or 0.19)" >&2; exit 2;;
   esac

@@ -1,7 +1,8 @@
 """Runs one rank of a megatron layout (via torchrun, gloo, CPU): build + load, forward, export.
 
 Writes, on the last pipeline stage's TP rank 0, the full logits to OUT/logits.pt, each rank's load
-report to OUT/load-RANK.json, and the exported HF checkpoint to OUT/export.
+report to OUT/load-RANK.json, and the exported HF checkpoint to OUT/export. With ``--jobs FILE`` it
+runs several layouts in turn in one process group (tests/dist_jobs.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,24 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+from dist_jobs import run_jobs  # noqa: E402
 from models import batch  # noqa: E402
 
 
 def main() -> None:
+    from megatron.core import parallel_state as ps  # noqa: F401  (imported before the jobs start)
+
+    import twinkle_specs as ts  # noqa: F401
+
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    run_jobs(_layout, sys.argv[1:])
+    dist.destroy_process_group()
+
+
+def _layout(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hf", required=True)
     ap.add_argument("--out", required=True)
@@ -27,16 +42,13 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--tokens", help="a torch.save'd [b, s] token tensor (default: models.batch())")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from megatron.core import parallel_state as ps
 
     import twinkle_specs as ts
 
     on_gpu = torch.cuda.is_available()
-    if on_gpu:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if on_gpu else "gloo")
     ps.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep)
     model = ts.build_model(args.hf, load_weights=False).eval()
     report = ts.load_hf_weights(model, args.hf)
@@ -67,7 +79,6 @@ def main() -> None:
     _dist_checkpoint_round_trip(model, args.hf, out)
     dist.barrier()
     ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _dist_checkpoint_round_trip(model, hf: str, out: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cpu_reference, run_dist
+from conftest import cpu_reference
 from hybrid_models import LAYER_TYPES, VOCAB, hybrid_batch, hybrid_hf_logits, make_hybrid_checkpoint
 from safetensors.torch import load_file
 
@@ -221,33 +221,51 @@ def test_hybrid_round_trip_is_bit_exact(kind, hybrid, megatron_single, tmp_path)
     assert torch.equal(hybrid_hf_logits(hf, tokens), hybrid_hf_logits(tmp_path / "export", tokens))
 
 
-@pytest.mark.parametrize(
-    "kind,layout",
-    [
-        ("qwen3_5", ["--tp", "2"]),  # GDN heads and the gated QKV split over TP
-        ("qwen3_next", ["--tp", "2"]),  # fused in_proj_qkvz / in_proj_ba regrouped per rank
-        ("qwen3_next", ["--pp", "2"]),  # linear and full layers on both stages
-        ("qwen3_5_moe", ["--ep", "2"]),  # routed experts over ranks, gated shared expert
-        ("qwen3_5_vl", ["--pp", "2"]),  # multimodal checkpoint: language model prefix, vision left alone
-    ],
-)
-def test_hybrid_parallel_layouts(kind, layout, hybrid, tmp_path):
+LAYOUTS = [
+    ("qwen3_5", ["--tp", "2"]),  # GDN heads and the gated QKV split over TP
+    ("qwen3_next", ["--tp", "2"]),  # fused in_proj_qkvz / in_proj_ba regrouped per rank
+    ("qwen3_next", ["--pp", "2"]),  # linear and full layers on both stages
+    ("qwen3_5_moe", ["--ep", "2"]),  # routed experts over ranks, gated shared expert
+    ("qwen3_5_vl", ["--pp", "2"]),  # multimodal checkpoint: language model prefix, vision left alone
+]
+LAYOUT_IDS = [f"{kind}-layout{i}" for i, (kind, _) in enumerate(LAYOUTS)]
+
+
+@pytest.fixture(scope="module")
+def layouts(hybrid, tmp_path_factory, request):
+    """Every layout of test_hybrid_parallel_layouts, run by dist_worker.py in one torchrun launch (see
+    tests/dist_jobs.py); each test asserts on its own layout's outputs."""
+    from dist_jobs import DistJobs
+
+    jobs = DistJobs(WORKER, tmp_path_factory.mktemp("hybrid-layouts"), request)
+    for name, (kind, layout) in zip(LAYOUT_IDS, LAYOUTS, strict=True):
+        jobs.add(name, 2, _worker_args(hybrid, kind, layout), test=f"test_hybrid_parallel_layouts[{name}]")
+    return jobs
+
+
+def _worker_args(hybrid, kind, layout):
+    def prepare(out: Path) -> list[str]:
+        torch.save(hybrid_batch(), out / "tokens.pt")
+        return ["--hf", str(hybrid(kind)), "--out", str(out), "--tokens", str(out / "tokens.pt"), *layout]
+
+    return prepare
+
+
+@pytest.mark.parametrize("kind,layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_hybrid_parallel_layouts(kind, layout, hybrid, layouts, request):
     if torch.cuda.is_available():
         pytest.skip("CPU reference (gloo); the GPU path of the hybrid models is not verified yet")
     hf = hybrid(kind)
-    tokens = hybrid_batch()
-    torch.save(tokens, tmp_path / "tokens.pt")
-    run_dist(
-        2, WORKER, "--hf", str(hf), "--out", str(tmp_path), "--tokens", str(tmp_path / "tokens.pt"), *layout
-    )
-    ours = torch.load(tmp_path / "logits.pt")[..., :VOCAB]
+    out = layouts.out(request.node.callspec.id)
+    tokens = torch.load(out / "tokens.pt")  # what the worker ran
+    ours = torch.load(out / "logits.pt")[..., :VOCAB]
     assert (ours - hybrid_hf_logits(hf, tokens)).abs().max().item() <= TOL
-    src, exported = _load_all(hf), _load_all(tmp_path / "export")
+    src, exported = _load_all(hf), _load_all(out / "export")
     assert sorted(src) == sorted(exported)
     for name, t in src.items():
         assert torch.equal(t, exported[name]), name
     for r in range(2):
-        assert json.loads((tmp_path / f"dist-ckpt-{r}.json").read_text()) == {"mismatched": []}
+        assert json.loads((out / f"dist-ckpt-{r}.json").read_text()) == {"mismatched": []}
 
 
 def test_hybrid_convert_and_export(hybrid, tmp_path, megatron_single):

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_lora_support import randomize_layer, run_ranks, single_rank  # noqa: F401  (fixture)
+from dist_jobs import DistJobs
+from test_lora_support import randomize_layer, single_rank  # noqa: F401  (fixture)
 from test_lora_te_standin import te  # noqa: F401  (fixture)
 
 from twinkle_specs.lora import experts, layers
@@ -160,13 +161,26 @@ def test_dropout_keeps_a_mask_per_slot(single_rank):  # noqa: F811
         assert _rel([layer.lora_delta(x)], [no_dropout.lora_delta(x)]) <= REL_TOL
 
 
+@pytest.fixture(scope="module")
+def tp2_jobs(tmp_path_factory, request):
+    """Both TP=2 runs of the worker in one torchrun launch (tests/dist_jobs.py)."""
+    jobs = DistJobs(WORKER, tmp_path_factory.mktemp("fused-tp2"), request, timeout=240, cpu_only=True)
+    for sp, name in ((False, "tp2"), (True, "tp2-sp")):
+        args = ["--sp"] if sp else []
+        jobs.add(name, 2, lambda out, args=args: ["--out", str(out), *args], test=f"{TP2_TEST}[{name}]")
+    return jobs
+
+
+TP2_TEST = "test_fused_equals_per_slot_at_tp2"
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
-def test_fused_equals_per_slot_at_tp2(sp, tmp_path):
+def test_fused_equals_per_slot_at_tp2(sp, tp2_jobs, request):
     """TP=2 (gloo): QKV with GQA (2 query groups per rank), fc1 and the row-parallel linears, full and
     partial targets, different ranks; with sequence parallelism the rank-r activation is all-gathered
     (column) or reduce-scattered (row) once for all slots."""
-    run_ranks(2, WORKER, "--out", str(tmp_path), *(["--sp"] if sp else []))
-    worst = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    out = tp2_jobs.out(request.node.callspec.id)
+    worst = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(len(w) == (5 if sp else 10) for w in worst), worst
     assert max(v for w in worst for v in w.values()) <= REL_TOL, worst
 

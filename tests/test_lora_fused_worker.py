@@ -4,32 +4,40 @@ Builds portable LoRA linears at TP=2 (optionally with sequence parallelism), run
 and the per-slot reference on the same input and output gradient, and writes (rank<N>.json in --out)
 per case the largest |Δ| over output, input gradient and factor gradients, relative to the reference's
 largest value; without sequence parallelism likewise for the layer's whole forward (``<case>-forward``).
+With ``--jobs FILE`` it runs several such jobs in turn in one process group (tests/dist_jobs.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from dist_jobs import run_jobs  # this script's folder (tests/) is on sys.path
 
 
 def main() -> None:
+    import twinkle_specs
+
+    twinkle_specs.apply_patches()  # megatron's TP gathers allocate on CUDA without them
+    dist.init_process_group("gloo")
+    run_jobs(_job, sys.argv[1:])
+    dist.destroy_process_group()
+
+
+def _job(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--sp", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from test_lora_fused import S, _config, _portable, _rel, _run
 
-    import twinkle_specs
-
-    twinkle_specs.apply_patches()  # megatron's TP gathers allocate on CUDA without them
-    dist.init_process_group("gloo")
     ps.initialize_model_parallel(2, 1)
     tp, rank = 2, ps.get_tensor_model_parallel_rank()
     config = _config(sequence_parallel=args.sp, tensor_model_parallel_size=tp)
@@ -71,7 +79,6 @@ def main() -> None:
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(worst))
     dist.barrier()  # every rank leaves together (a gloo group torn down mid-talk aborts its peer)
     ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

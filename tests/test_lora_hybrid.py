@@ -5,15 +5,18 @@ and the adapter's round trip."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import peft
 import pytest
 import torch
 from conftest import cpu_reference
+from dist_jobs import DistJobs
 from hybrid_models import VOCAB, hybrid_batch, make_hybrid_checkpoint
 from safetensors.torch import load_file
-from test_lora_parallel import GRAD_TOL, WORKER, _sharded_dumps
+from test_lora_parallel import GRAD_TOL, WORKER, add_sharded_jobs, made_once, sharded_dumps
 from test_lora_support import VOCAB as WORKER_VOCAB
-from test_lora_support import hf_model, randomize_megatron, randomize_peft, run_ranks, tokens
+from test_lora_support import hf_model, randomize_megatron, randomize_peft, tokens
 
 import twinkle_specs as ts
 from twinkle_specs import LoraConfig, export_peft_adapter, load_peft_adapter
@@ -166,56 +169,98 @@ def _peft_reference(hf, adapter):
     return logits.detach(), grads
 
 
-def test_tp2_matches_peft(hybrid, tmp_path):
+FUSED_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]
+SHARDED_LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", "2"])}
+
+
+def _tp2_job(hybrid, kind: str, targets, *flags: str):
+    """A worker job at TP=2 on the ``kind`` checkpoint with a random adapter on ``targets`` (OUT/adapter)."""
+
+    def prepare(out: Path) -> list[str]:
+        _peft_adapter(hybrid(kind), out / "adapter", targets)
+        return [
+            "--hf",
+            str(hybrid(kind)),
+            "--adapter",
+            str(out / "adapter"),
+            "--out",
+            str(out),
+            *flags,
+            "--tp",
+            "2",
+        ]
+
+    return prepare
+
+
+def _sharded_inputs(hybrid, kind: str, root: Path):
+    def make():
+        _peft_adapter(hybrid(kind), root / "adapter", sorted(LINEAR_ATTENTION[kind]) + ["q_proj", "v_proj"])
+        return hybrid(kind), root / "adapter"
+
+    return made_once(make)
+
+
+@pytest.fixture(scope="module")
+def lora_jobs(hybrid, tmp_path_factory, request):
+    """This module's multi-rank runs of test_lora_worker.py: one torchrun launch per world size for all
+    the selected tests (tests/dist_jobs.py); each test asserts on its own job's outputs."""
+    root = tmp_path_factory.mktemp("hybrid-lora-layouts")
+    jobs = DistJobs(WORKER, root, request, timeout=240, cpu_only=True)
+    jobs.add("tp2-matches", 2, _tp2_job(hybrid, "qwen3_5", "all-linear"), test="test_tp2_matches_peft")
+    fused = _tp2_job(hybrid, "qwen3_next", FUSED_TARGETS, "--roundtrip")
+    jobs.add("tp2-fused-roundtrip", 2, fused, test="test_tp2_round_trips_fused_projections")
+    for kind in ("qwen3_5", "qwen3_next"):
+        test = f"test_adapter_sharded_state_dict_is_tp_independent[{kind}]"
+        add_sharded_jobs(jobs, test, _sharded_inputs(hybrid, kind, root / f"{kind}-inputs"), SHARDED_LAYOUTS)
+    return jobs
+
+
+def test_tp2_matches_peft(hybrid, lora_jobs):
     """Qwen3.5 at TP=2 (gloo): queries/gates and the Gated DeltaNet's sections split per rank; logits and
     adapter gradients against PEFT, then an export after re-randomising."""
     hf = hybrid("qwen3_5")
-    adapter = tmp_path / "adapter"
-    _peft_adapter(hf, adapter, "all-linear")
-    run_ranks(2, WORKER, "--hf", str(hf), "--adapter", str(adapter), "--out", str(tmp_path), "--tp", "2")
+    out = lora_jobs.out("tp2-matches")
+    adapter = out / "adapter"
 
     ref_logits, ref_grads = _peft_reference(hf, adapter)
-    ours = torch.load(tmp_path / "logits_in.pt")
+    ours = torch.load(out / "logits_in.pt")
     print(f"qwen3_5 tp2 logits max|Δ| = {(ours - ref_logits).abs().max().item():.3g}")
     assert (ours - ref_logits).abs().max().item() <= TOL
-    grads = torch.load(tmp_path / "grads.pt")
+    grads = torch.load(out / "grads.pt")
     assert sorted(grads) == sorted(ref_grads)
     scale = max(g.abs().max().item() for g in ref_grads.values())
     worst = max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
     print(f"qwen3_5 tp2 grads max|Δ| = {worst:.3g} (largest grad {scale:.3g})")
     assert worst <= GRAD_TOL * scale
 
-    exported = peft.PeftModel.from_pretrained(hf_model(hf), tmp_path / "export").eval()
+    exported = peft.PeftModel.from_pretrained(hf_model(hf), out / "export").eval()
     with torch.no_grad():
         ref_out = exported(tokens()).logits
-    ours_out = torch.load(tmp_path / "logits_out.pt")
+    ours_out = torch.load(out / "logits_out.pt")
     assert (ours_out - ref_logits).abs().max() > 1e-2  # the re-randomised adapter is a different one
     print(f"qwen3_5 tp2 export max|Δ| = {(ours_out - ref_out[..., :WORKER_VOCAB]).abs().max().item():.3g}")
     assert (ours_out - ref_out[..., :WORKER_VOCAB]).abs().max().item() <= TOL
 
 
-def test_tp2_round_trips_fused_projections(hybrid, tmp_path):
+def test_tp2_round_trips_fused_projections(lora_jobs):
     """Qwen3-Next's in_proj_qkvz / in_proj_ba (grouped per key head) and gated q_proj at TP=2: a PEFT
     adapter loaded into the shards and exported again is the same file."""
-    hf = hybrid("qwen3_next")
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]
-    _peft_adapter(hf, tmp_path / "adapter", targets)
-    args = ["--hf", str(hf), "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path)]
-    run_ranks(2, WORKER, *args, "--roundtrip", "--tp", "2")
-    src = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    back = load_file(tmp_path / "export" / "adapter_model.safetensors")
+    out = lora_jobs.out("tp2-fused-roundtrip")
+    src = load_file(out / "adapter" / "adapter_model.safetensors")
+    back = load_file(out / "export" / "adapter_model.safetensors")
     assert sorted(src) == sorted(back)
     for key, t in src.items():
         assert torch.equal(t, back[key]), key
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
-def test_adapter_sharded_state_dict_is_tp_independent(kind, hybrid, tmp_path):
+def test_adapter_sharded_state_dict_is_tp_independent(kind, lora_jobs):
     """Adapter-only sharded_state_dict at TP=2 describes the same global tensors as at TP=1: the Gated
     DeltaNet's in_proj slots are saved per section ([q; k; v] ...), each split over TP on its own."""
-    hf = hybrid(kind)
-    _peft_adapter(hf, tmp_path / "adapter", sorted(LINEAR_ATTENTION[kind]) + ["q_proj", "v_proj"])
-    dumps = _sharded_dumps(hf, tmp_path / "adapter", tmp_path, {"tp1": (1, []), "tp2": (2, ["--tp", "2"])})
+    dumps = sharded_dumps(
+        lora_jobs, f"test_adapter_sharded_state_dict_is_tp_independent[{kind}]", SHARDED_LAYOUTS
+    )
     reference, tp2 = dumps["tp1"], dumps["tp2"]
     assert any(
         key.endswith("in_proj.lora_B.in_proj_qkv_q" if kind == "qwen3_5" else "lora_B.in_proj_ba_a")

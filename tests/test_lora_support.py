@@ -13,7 +13,7 @@ from pathlib import Path
 import models
 import pytest
 import torch
-from conftest import free_port, run_dist
+from conftest import run_dist
 from models import qwen_config
 
 VOCAB = 128
@@ -90,9 +90,9 @@ def single_rank():
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # An in-process store, as megatron_single's: no port held by this process and no MASTER_PORT left
+        # in its environment, which the subprocesses of later tests (launchers) would inherit and clash on.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1)

@@ -2,16 +2,19 @@
 
 Loads a PEFT adapter into a TP/PP/EP layout, writes full logits and the adapter gradients of a fixed
 loss (PEFT names, gathered), then exports the adapter after randomising it. With --roundtrip it only
-loads the adapter and exports it again.
+loads the adapter and exports it again. With ``--jobs FILE`` it runs several such jobs in turn in one
+process group (tests/dist_jobs.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from dist_jobs import run_jobs  # this script's folder (tests/) is on sys.path
 
 
 def _full_logits(model, toks: torch.Tensor, grad: bool) -> torch.Tensor | None:
@@ -99,6 +102,16 @@ def _gather_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
+    from megatron.core import parallel_state as ps  # noqa: F401  (imported before the jobs start)
+
+    import twinkle_specs as ts  # noqa: F401
+
+    dist.init_process_group("gloo")
+    run_jobs(_job, sys.argv[1:])
+    dist.destroy_process_group()
+
+
+def _job(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hf", required=True)
     ap.add_argument("--adapter", required=True)
@@ -110,14 +123,13 @@ def main() -> None:
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--roundtrip", action="store_true", help="only load the adapter and export it again")
     ap.add_argument("--sharded", action="store_true", help="only assemble the adapter sharded_state_dict")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from megatron.core import parallel_state as ps
 
     import twinkle_specs as ts
     from twinkle_specs.lora import LoraConfig
 
-    dist.init_process_group("gloo")
     vpp = args.vpp if args.vpp > 1 else None
     ps.initialize_model_parallel(
         args.tp,
@@ -147,7 +159,6 @@ def main() -> None:
         dist.barrier()
     finally:
         ps.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _check_against_peft(model, out: Path) -> None:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_dist
 from models import CONFIGS, YARN_SEQ, batch, hf_logits
 from safetensors.torch import load_file
 
@@ -39,44 +38,63 @@ def test_logits_match_transformers(kind, checkpoints, megatron_single):
     assert (ours - ref).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize(
-    "kind,nproc,layout",
-    [
-        ("qwen3", 2, ["--tp", "2"]),
-        ("qwen2", 2, ["--pp", "2"]),  # tied embeddings across pipeline stages
-        ("qwen2_5", 2, ["--tp", "2"]),  # QKV bias split per query group
-        ("qwen3_moe_nonorm", 2, ["--pp", "2"]),  # tied + MoE across stages
-        ("qwen2_moe", 2, ["--pp", "2"]),  # shared expert + gate
-        ("qwen3_moe", 2, ["--ep", "2"]),  # experts split over ranks (token dispatch on gloo: patches/)
-        ("qwen2_moe", 2, ["--tp", "2"]),  # shared expert + gate under TP, experts over expert-TP
-    ],
-)
-def test_parallel_layouts_match_and_round_trip(kind, nproc, layout, checkpoints, tmp_path):
+LAYOUTS = [
+    ("qwen3", 2, ["--tp", "2"]),
+    ("qwen2", 2, ["--pp", "2"]),  # tied embeddings across pipeline stages
+    ("qwen2_5", 2, ["--tp", "2"]),  # QKV bias split per query group
+    ("qwen3_moe_nonorm", 2, ["--pp", "2"]),  # tied + MoE across stages
+    ("qwen2_moe", 2, ["--pp", "2"]),  # shared expert + gate
+    ("qwen3_moe", 2, ["--ep", "2"]),  # experts split over ranks (token dispatch on gloo: patches/)
+    ("qwen2_moe", 2, ["--tp", "2"]),  # shared expert + gate under TP, experts over expert-TP
+]
+LAYOUT_IDS = [f"{kind}-{nproc}-layout{i}" for i, (kind, nproc, _) in enumerate(LAYOUTS)]
+
+
+@pytest.fixture(scope="module")
+def layouts(checkpoints, tmp_path_factory, request):
+    """Every layout of the parametrized test below, run by dist_worker.py in one torchrun launch (see
+    tests/dist_jobs.py); each test asserts on its own layout's outputs."""
+    from dist_jobs import DistJobs
+
+    jobs = DistJobs(WORKER, tmp_path_factory.mktemp("layouts"), request)
+    for name, (kind, nproc, layout) in zip(LAYOUT_IDS, LAYOUTS, strict=True):
+        jobs.add(name, nproc, _worker_args(checkpoints, kind, layout), test=f"{TEST}[{name}]")
+    return jobs
+
+
+TEST = "test_parallel_layouts_match_and_round_trip"
+
+
+def _worker_args(checkpoints, kind, layout):
+    return lambda out: ["--hf", str(checkpoints(kind)), "--out", str(out), *layout]
+
+
+@pytest.mark.parametrize("kind,nproc,layout", LAYOUTS, ids=LAYOUT_IDS)
+def test_parallel_layouts_match_and_round_trip(kind, nproc, layout, checkpoints, layouts, request):
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         pytest.skip(f"on a GPU machine the layout runs one rank per GPU: needs {nproc} GPUs")
-    _check_layout(
-        kind, nproc, layout, checkpoints, tmp_path, tol=GPU_TOL if torch.cuda.is_available() else TOL
-    )
+    out = layouts.out(request.node.callspec.id)
+    _check_layout(kind, nproc, layout, checkpoints, out, tol=GPU_TOL if torch.cuda.is_available() else TOL)
 
 
-def _check_layout(kind, nproc, layout, checkpoints, tmp_path, tol=TOL):
+def _check_layout(kind, nproc, layout, checkpoints, out, tol=TOL):
+    """Asserts on the outputs ``out`` of dist_worker.py at ``layout`` on ``nproc`` ranks."""
     hf = checkpoints(kind)
-    run_dist(nproc, WORKER, "--hf", str(hf), "--out", str(tmp_path), *layout)
     tokens = batch()
-    ours = torch.load(tmp_path / "logits.pt")[..., : CONFIGS[kind]().vocab_size]
+    ours = torch.load(out / "logits.pt")[..., : CONFIGS[kind]().vocab_size]
     assert (ours.cpu() - hf_logits(hf, tokens)).abs().max().item() <= tol
     # Round trip: every tensor bit-exact, nothing added or lost.
-    src, exported = _load_all(hf), _load_all(tmp_path / "export")
+    src, exported = _load_all(hf), _load_all(out / "export")
     assert sorted(src) == sorted(exported)
     for name, t in src.items():
         assert torch.equal(t, exported[name]), name
     # Megatron's own checkpoint (torch_dist) of this layout restores every parameter bit-exactly.
     for r in range(nproc):
-        assert json.loads((tmp_path / f"dist-ckpt-{r}.json").read_text()) == {"mismatched": []}
+        assert json.loads((out / f"dist-ckpt-{r}.json").read_text()) == {"mismatched": []}
     # Each rank read only its slices: with 2 ranks sharding the model, each reads less than all of it.
     if "--pp" in layout or "--tp" in layout:
         reads = [
-            int((tmp_path / f"load-{r}.json").read_text().split('"bytes_read": ')[1].split(",")[0])
+            int((out / f"load-{r}.json").read_text().split('"bytes_read": ')[1].split(",")[0])
             for r in range(nproc)
         ]
         total = sum(t.numel() * t.element_size() for t in src.values())

@@ -27,6 +27,9 @@ ray = pytest.importorskip(
     "ray", reason="ray is not installed: pip install 'ray[default]==2.60.0' (extra 'ray')"
 )
 
+# The launch script's own mechanics: run on one leg of scripts/test.sh (pyproject.toml's one_leg marker).
+pytestmark = pytest.mark.one_leg
+
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch" / "ray" / "launch.py"
 DIST_CHECK = Path(__file__).resolve().parent / "dist_check.py"

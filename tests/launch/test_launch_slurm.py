@@ -23,6 +23,9 @@ from pathlib import Path
 
 import pytest
 
+# The launch script's own mechanics: run on one leg of scripts/test.sh (pyproject.toml's one_leg marker).
+pytestmark = pytest.mark.one_leg
+
 REPO = Path(__file__).resolve().parents[2]
 SBATCH_SCRIPT = REPO / "launch" / "slurm" / "train.sbatch"
 DIST_CHECK = Path(__file__).resolve().parent / "dist_check.py"
