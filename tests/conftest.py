@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import subprocess
@@ -72,10 +73,27 @@ def megatron_training_version(root: str) -> tuple[int, int, int]:
     return major, minor, patch
 
 
+_PORT_BLOCK = 1500
+_ports = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a test's rendezvous that no concurrent test picks: below the kernel's ephemeral range
+    (where ``bind(0)``, the gloo ranks' own sockets and outgoing connections take theirs, so a port found by
+    ``bind(0)`` could be taken again before torchrun binds it), in a block of its own per pytest-xdist worker,
+    each port once per run (until the block wraps), and checked free when picked. Above Ray's worker ports
+    (10002-19999)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    base = 20000 + _PORT_BLOCK * (worker % 8)
+    for _ in range(_PORT_BLOCK):
+        port = base + next(_ports) % _PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}-{base + _PORT_BLOCK - 1}")
 
 
 def torchrun(nproc: int) -> list[str]:

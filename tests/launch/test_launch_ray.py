@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 ray = pytest.importorskip(
     "ray", reason="ray is not installed: pip install 'ray[default]==2.60.0' (extra 'ray')"
@@ -33,12 +33,6 @@ pytestmark = pytest.mark.one_leg
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch" / "ray" / "launch.py"
 DIST_CHECK = Path(__file__).resolve().parent / "dist_check.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ray_env() -> dict[str, str]:
@@ -108,7 +102,7 @@ def test_starts_a_local_cluster_when_none_is_running(tmp_path: Path) -> None:
 def cluster() -> Iterator[str]:
     """A head node with 4 CPUs on 127.0.0.1, started by `ray start --block` for this module, stopped after."""
     temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     log = open(Path(temp) / "head.out", "wb")  # noqa: SIM115
     head = subprocess.Popen(

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 # The launch script's own mechanics: run on one leg of scripts/test.sh (pyproject.toml's one_leg marker).
 pytestmark = pytest.mark.one_leg
@@ -30,12 +30,6 @@ REPO = Path(__file__).resolve().parents[2]
 SBATCH_SCRIPT = REPO / "launch" / "slurm" / "train.sbatch"
 DIST_CHECK = Path(__file__).resolve().parent / "dist_check.py"
 TORCHRUN = f"{sys.executable} -m torch.distributed.run"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _plugin_exists(name: str) -> bool:
@@ -110,7 +104,7 @@ def _start_munge(root: Path) -> str:
 
 
 def _write_conf(root: Path, auth_lines: list[str]) -> Path:
-    ctld, slurmd = _free_port(), _free_port()
+    ctld, slurmd = free_port(), free_port()
     conf = root / "slurm.conf"
     lines = [
         "ClusterName=twinkletest",
