@@ -1,6 +1,6 @@
 """twinkle_specs.gdn_conv: the Gated DeltaNet's short convolution + SiLU, channel-last, against torch.
 
-The fp32 reference (``gdn_conv.reference``) is first checked against torch's depthwise ``conv1d`` (the
+The fp32 reference (``_reference``) is first checked against torch's depthwise ``conv1d`` (the
 layer's portable path) and, for packed rows, against each sequence alone. The Triton kernels then run under
 the Triton interpreter on CPU tensors (and on the GPU, gpu-marked) against that reference: output, input
 gradient and weight gradient, max |Δ| relative to the largest value compared.
@@ -49,6 +49,23 @@ def _inputs(batch: int, tokens: int, channels: int, dtype: torch.dtype, seed: in
     return x.to(dtype), w.to(dtype), torch.randn(batch, tokens, channels, generator=g).to(dtype)
 
 
+def _reference(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(causal depthwise conv) of ``x`` [b, s, c] with ``weight`` [c, K], in fp32,
+    each packed sequence from its own start."""
+    b, s, c = x.shape
+    k = weight.shape[1]
+    xs = x.float()
+    out = torch.zeros(b, s, c, dtype=torch.float32, device=x.device)
+    t = torch.arange(s, device=x.device)
+    lo = torch.zeros_like(t) if starts is None else starts.long()
+    for j in range(k):
+        src = t - (k - 1) + j
+        ok = src >= lo
+        tap = xs[:, src.clamp(min=0)] * ok[None, :, None]
+        out = out + tap * weight[:, j].float()
+    return F.silu(out)
+
+
 def _torch_conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The layer's portable path: silu(conv1d) over a [b, c, s] copy."""
     k = w.shape[1]
@@ -58,13 +75,13 @@ def _torch_conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def test_reference_is_torch_conv1d_and_restarts_at_each_packed_sequence():
     x, w, _ = _inputs(2, 70, 24, torch.float64)
-    torch.testing.assert_close(G.reference(x, w), _torch_conv(x, w).float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(_reference(x, w), _torch_conv(x, w).float(), rtol=1e-6, atol=1e-6)
     bounds, tokens = (0, 5, 6, 8, 40), 50
     x, w, _ = _inputs(1, tokens, 24, torch.float64)
-    packed = G.reference(x, w, _starts(bounds, tokens))
+    packed = _reference(x, w, _starts(bounds, tokens))
     for a, e in zip(bounds, (*bounds[1:], tokens), strict=True):
         # fp32 sums over other tensor shapes (vectorised differently): 1 ulp apart at most
-        torch.testing.assert_close(packed[:, a:e], G.reference(x[:, a:e], w), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(packed[:, a:e], _reference(x[:, a:e], w), rtol=1e-6, atol=1e-6)
 
 
 def test_kernels_are_for_cuda_half_precision_silu():
@@ -88,7 +105,7 @@ def _kernel_errors(device: str, cases: tuple, dtypes: tuple[torch.dtype, ...]) -
             y = G.conv_silu(xk, wk, starts)
             y.backward(dy)
             xr, wr = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
-            yr = G.reference(xr, wr, starts)
+            yr = _reference(xr, wr, starts)
             yr.backward(dy.float())
             errors[f"{key}/out"] = _rel(y, yr)
             errors[f"{key}/dx"] = _rel(xk.grad, xr.grad)

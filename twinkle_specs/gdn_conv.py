@@ -23,7 +23,6 @@ hands it on), the weight gradient accumulated from the fp32 value.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 try:
     import triton
@@ -47,23 +46,6 @@ def usable(x: torch.Tensor, weight: torch.Tensor, activation: str) -> bool:
         and x.stride(-1) == 1
         and weight.dtype == x.dtype
     )
-
-
-def reference(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(causal depthwise conv) of ``x`` [b, s, c] with ``weight`` [c, K], in fp32 (tests' reference),
-    each packed sequence from its own start."""
-    b, s, c = x.shape
-    k = weight.shape[1]
-    xs = x.float()
-    out = torch.zeros(b, s, c, dtype=torch.float32, device=x.device)
-    t = torch.arange(s, device=x.device)
-    lo = torch.zeros_like(t) if starts is None else starts.long()
-    for j in range(k):
-        src = t - (k - 1) + j
-        ok = src >= lo
-        tap = xs[:, src.clamp(min=0)] * ok[None, :, None]
-        out = out + tap * weight[:, j].float()
-    return F.silu(out)
 
 
 def conv_silu(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
