@@ -68,16 +68,8 @@ def prepare(hf_dir: Path, s: Settings, peft_lora: bool = False, tuning: Tuning =
     with dev:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=s.torch_dtype())
     result: dict[str, Any] = {"impl": f"transformers {model.config._attn_implementation}"}
-    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
-        # transformers' Gated DeltaNet takes fla's kernel whenever fla is installed, else its torch rule;
-        # where fla refuses its gated chunk_bwd_dqkwg, the torch one that twinkle's layers use stands in
-        result["gdn_rule"] = "torch reference (transformers')"
-        if importlib.util.find_spec("fla") is not None:
-            from twinkle_specs.gdn import train_on_fla, training_rule
-
-            result["gdn_rule"] = training_rule(dev.type == "cuda")
-            if dev.type == "cuda":
-                train_on_fla()
+    if rule := gdn_rule(config, dev.type == "cuda"):
+        result["gdn_rule"] = rule
     experts = getattr(model.config, "_experts_implementation", None)
     if experts and getattr(config, "num_experts", None):
         result["impl"] += f", experts {experts}"
@@ -127,6 +119,27 @@ def causal_lm_step(
     return Prepared.accumulating(result, forward, backward, update, s.grad_accum)
 
 
+# an MoE shared expert's one-output gate (Qwen3.5-MoE): peft's all-linear would adapt it, twinkle-specs' LoRA
+# does not, so the transformers-based peers leave it out too
+UNADAPTED_GATE = "shared_expert_gate"
+
+
+def gdn_rule(config, on_cuda: bool) -> str | None:
+    """For a transformers model with Gated DeltaNet layers, the chunked rule its training runs (None without
+    such layers). transformers' Gated DeltaNet takes fla's kernel whenever fla is installed, else its torch
+    rule; where fla refuses its gated chunk_bwd_dqkwg, the torch one that twinkle's layers use stands in (given
+    to fla here, for every caller in this process)."""
+    if "linear_attention" not in (getattr(config, "layer_types", None) or ()):
+        return None
+    if importlib.util.find_spec("fla") is None:
+        return "torch reference (transformers')"
+    from twinkle_specs.gdn import train_on_fla, training_rule
+
+    if on_cuda:
+        train_on_fla()
+    return training_rule(on_cuda)
+
+
 def _peft(model, s: Settings, tuning: Tuning, result: dict[str, Any]):
     """``model`` with peft's LoRA on all linear layers (the output layer excluded, as peft does)."""
     import peft
@@ -134,9 +147,7 @@ def _peft(model, s: Settings, tuning: Tuning, result: dict[str, Any]):
     # all-linear also takes an MoE shared expert's one-output gate (Qwen3.5-MoE), which twinkle-specs'
     # LoRA does not adapt: left out, so that (c) and (d) train the same adapters
     excluded = (
-        ["shared_expert_gate"]
-        if any(n.endswith(".shared_expert_gate") for n, _ in model.named_modules())
-        else None
+        [UNADAPTED_GATE] if any(n.endswith(f".{UNADAPTED_GATE}") for n, _ in model.named_modules()) else None
     )
     model = peft.get_peft_model(
         model,

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from . import peer_kits
-from .build_hf import causal_lm_step
+from .build_hf import UNADAPTED_GATE, causal_lm_step, gdn_rule
 from .settings import Prepared, Settings
 
 KIT = peer_kits.STAGE
@@ -113,7 +113,7 @@ def _all_linear(model) -> list[str]:
         if isinstance(module, torch.nn.Linear):
             parts = name.split(".")
             names.add(".".join(parts[-2:]) if parts[-2:-1] == ["shared_expert"] else parts[-1])
-    return sorted(names - {"lm_head", "shared_expert_gate"})
+    return sorted(names - {"lm_head", UNADAPTED_GATE})
 
 
 def _gradient_checkpointing() -> bool | str:
@@ -250,13 +250,8 @@ def lora(hf_dir: Path, s: Settings) -> Prepared:
         "lora_targets": targets,
         "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF"),  # unsloth_zoo sets expandable segments on import
     }
-    if model_type in ALL_LINEAR:
-        # Unsloth runs fla's rule as one op; where fla refuses its gated chunk_bwd_dqkwg (Hopper, Triton
-        # < 3.7.1), the torch one that twinkle's layers and the transformers peers use stands in
-        from twinkle_specs.gdn import train_on_fla, training_rule
-
-        train_on_fla()
-        result["gdn_rule"] = training_rule(True)
+    if rule := gdn_rule(model.config, on_cuda=True):  # Unsloth runs fla's rule as one op
+        result["gdn_rule"] = rule
     target_parameters = getattr(model.peft_config["default"], "target_parameters", None)
     if target_parameters:
         result["lora_target_parameters"] = list(target_parameters)
