@@ -39,7 +39,8 @@ CATEGORIES = (
 )
 
 
-RANGES = ("forward", "backward", "optimizer")  # record_function ranges of every step
+RANGES = ("forward", "backward", "optimizer")
+STACK_DEPTH = 6  # Python frames that name an operator's call site in the --profile-stacks table  # record_function ranges of every step
 
 
 def categorize(name: str) -> str:
@@ -50,15 +51,16 @@ def categorize(name: str) -> str:
     return "other"
 
 
-def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool) -> dict[str, Any]:
+def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool, stacks: bool = False) -> dict[str, Any]:
     """Profiles ``n`` iterations; writes the top-kernel table to ``profile-<tag>.txt`` (and a chrome
-    trace with ``trace``) and returns the device-time breakdown by category and busy vs wall time."""
+    trace with ``trace``; with ``stacks``, the device time of each operator by its Python call site, which
+    tells what launched a copy) and returns the device-time breakdown by category and busy vs wall time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu() else [])
     sync()
     t0 = time.perf_counter()
-    with profile(activities=activities, record_shapes=False) as prof:
+    with profile(activities=activities, record_shapes=False, with_stack=stacks) as prof:
         for _ in range(n):
             step()
         sync()
@@ -108,10 +110,17 @@ def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool) -> dict[st
         lines += _gap_lines(gaps)
     cpu_table = averages.table(sort_by="cpu_time_total", row_limit=25)
     host = _host_profile(step, n)
+    by_site = []
+    if stacks:
+        sites = prof.key_averages(group_by_stack_n=STACK_DEPTH).table(
+            sort_by=sort_key, row_limit=60, max_name_column_width=60, max_src_column_width=90
+        )
+        by_site = [f"device time by operator and call site (innermost {STACK_DEPTH} frames):\n{sites}"]
     text = "\n\n".join(
         [
             "\n".join(lines),
             table,
+            *by_site,
             "host (CPU) time, by operator and range (forward/backward/optimizer):\n" + cpu_table,
             f"host Python functions, cProfile over {n} more steps (by own time):\n{host}",
             f"every device kernel over {n} steps (ms per step, calls in all, name):\n"

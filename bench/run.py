@@ -156,6 +156,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="torch profiler after timing: profile.txt")
     ap.add_argument("--profile-trace", action="store_true", help="with --profile: chrome traces too")
     ap.add_argument(
+        "--profile-stacks",
+        action="store_true",
+        help="with --profile: a table of device time by operator and Python call site (eager variants)",
+    )
+    ap.add_argument(
         "--no-telemetry", action="store_true", help="do not sample the GPU's clocks/power with nvidia-smi"
     )
     ap.add_argument("--tag", default="", help="label of this configuration (kept apart in ratios)")
@@ -262,6 +267,7 @@ def _settings(args, on_gpu: bool):
         load=not args.no_load,
         profile=args.profile,
         profile_trace=args.profile_trace,
+        profile_stacks=args.profile_stacks,
         telemetry=not args.no_telemetry,
     )
 

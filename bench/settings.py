@@ -38,6 +38,9 @@ class Settings:
     profile: bool = False
     profile_steps: int = 2
     profile_trace: bool = False
+    profile_stacks: bool = (
+        False  # device time by operator and call site (kernels under CUDA graphs have none)
+    )
     telemetry: bool = True  # GPU clocks/power per timed step (bench/telemetry.py)
     seed: int = 1234
 

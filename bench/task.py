@@ -49,7 +49,9 @@ def measure(prepared: Prepared, s: Settings, out_dir: Path, tag: str) -> dict[st
     else:
         result |= memory.activation_memory(prepared.forward, prepared.backward_and_update)
     if s.profile:
-        result["profile"] = profile_steps(prepared.step, s.profile_steps, out_dir, tag, s.profile_trace)
+        result["profile"] = profile_steps(
+            prepared.step, s.profile_steps, out_dir, tag, s.profile_trace, s.profile_stacks
+        )
     return result
 
 

@@ -113,6 +113,38 @@ def _kernel_errors(device: str, cases: tuple, dtypes: tuple[torch.dtype, ...]) -
             xf = x.detach().requires_grad_(True)
             G.conv_silu(xf, w, starts).backward(dy)  # frozen weight: no weight-gradient partials
             errors[f"{key}/dx-frozen-w"] = _rel(xf.grad, xr.grad)
+        for case in (cases[0], cases[-1]):  # whole rows (the GPU test: at the 9B width), packed
+            errors.update(_split_errors(device, dtype, case))
+    return errors
+
+
+def _split_errors(device: str, dtype: torch.dtype, case: tuple) -> dict[str, float]:
+    """:func:`gdn_conv.split_conv_silu` on a whole in_proj-like output (three convolved sections, three
+    passed through) against a split of the fp32 reference: every section's output, and the one gradient of
+    the input it writes, with one output left unused (its gradient None)."""
+    batch, tokens, channels, bounds = case
+    g = torch.Generator().manual_seed(2)
+    third, extra = channels // 3, (7, 1, 1)
+    sections = (third, third, channels - 2 * third, *extra)
+    x = torch.randn(batch, tokens, sum(sections), generator=g).to(dtype).to(device)
+    w = (torch.randn(channels, 4, generator=g) / 2).to(dtype).to(device)
+    dys = [torch.randn(batch, tokens, n, generator=g).to(dtype).to(device) for n in sections]
+    starts = _starts(bounds, tokens)
+    starts = None if starts is None else starts.to(device)
+    xk, wk = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    outs = G.split_conv_silu(xk, wk, sections, starts)
+    xr, wr = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
+    refs = (
+        *_reference(xr[..., :channels], wr, starts).split(sections[:3], -1),
+        *xr[..., channels:].split(extra, -1),
+    )
+    used = [0, 2, 3, 5]  # a convolved section (1) and a passed-through one (4) unused: no gradient
+    torch.autograd.backward([outs[i] for i in used], [dys[i] for i in used])
+    torch.autograd.backward([refs[i] for i in used], [dys[i].float() for i in used])
+    key = f"{str(dtype)[6:]}/split/{batch}x{tokens}x{channels}/{'packed' if bounds else 'rows'}"
+    errors = {f"{key}/out{i}": _rel(o, r) for i, (o, r) in enumerate(zip(outs, refs, strict=True))}
+    errors[f"{key}/dx"] = _rel(xk.grad, xr.grad)
+    errors[f"{key}/dw"] = _rel(wk.grad, wr.grad)
     return errors
 
 
@@ -121,7 +153,7 @@ def test_triton_kernels_under_interpreter():
     from test_lora_support import interpreted
 
     errors = interpreted(__file__)
-    assert len(errors) == 2 * len(CASES) * 4, errors
+    assert len(errors) == 2 * len(CASES) * 4 + 2 * 2 * 8, errors
     for key, err in errors.items():
         assert err <= INTERP_TOL[key.split("/")[0]], (key, err)
 

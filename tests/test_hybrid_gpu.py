@@ -76,11 +76,13 @@ DQKWG_GRAD_RTOL = 2e-2
 
 
 @pytest.mark.parametrize(
-    "seq,cuts",
-    [(256, None), (300, None), (300, [0, 37, 100, 101, 229, 300])],
-    ids=["whole-chunks", "partial-last-chunk", "packed"],  # packed: fla's varlen rule, one row
+    "seq,cuts,key_heads",
+    [(256, None, 4), (300, None, 4), (300, [0, 37, 100, 101, 229, 300], 4), (300, None, 2)],
+    # packed: fla's varlen rule, one row; grouped: 2 key heads for 4 value heads (fla's GVA, as
+    # PortableGatedDeltaNet calls it), against the reference on q and k repeated per value head
+    ids=["whole-chunks", "partial-last-chunk", "packed", "grouped-value-heads"],
 )
-def test_fla_rule_with_the_torch_dqkwg_matches_the_torch_reference(seq, cuts):
+def test_fla_rule_with_the_torch_dqkwg_matches_the_torch_reference(seq, cuts, key_heads):
     pytest.importorskip("fla", reason="needs flash-linear-attention (pip install .[hybrid-gpu])")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
@@ -96,8 +98,8 @@ def test_fla_rule_with_the_torch_dqkwg_matches_the_torch_reference(seq, cuts):
         torch.manual_seed(0)
         b, heads, dk, dv = 2 if cuts is None else 1, 4, 64, 128
         inputs = {
-            "q": torch.randn(b, seq, heads, dk, device="cuda"),
-            "k": torch.randn(b, seq, heads, dk, device="cuda"),
+            "q": torch.randn(b, seq, key_heads, dk, device="cuda"),
+            "k": torch.randn(b, seq, key_heads, dk, device="cuda"),
             "v": torch.randn(b, seq, heads, dv, device="cuda"),
             "g": -torch.rand(b, seq, heads, device="cuda") * 0.5,  # log decay per token
             "beta": torch.rand(b, seq, heads, device="cuda").sigmoid(),
@@ -117,8 +119,11 @@ def test_fla_rule_with_the_torch_dqkwg_matches_the_torch_reference(seq, cuts):
                 q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu
             )[0]
         )
-        ref = grads(  # each packed sequence alone
-            lambda q, k, v, g, beta: torch.cat(
+        group = heads // key_heads
+
+        def reference(q, k, v, g, beta):  # each packed sequence alone, q and k repeated per value head
+            q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+            return torch.cat(
                 [
                     torch_chunk_gated_delta_rule(
                         l2norm(q[:, a:e]), l2norm(k[:, a:e]), v[:, a:e], g=g[:, a:e], beta=beta[:, a:e]
@@ -127,11 +132,56 @@ def test_fla_rule_with_the_torch_dqkwg_matches_the_torch_reference(seq, cuts):
                 ],
                 dim=1,
             )
-        )
+
+        ref = grads(reference)
     finally:
         gdn_dqkwg.chunk_bwd_dqkwg = real
     assert calls, "fla did not call twinkle_specs.gdn_dqkwg.chunk_bwd_dqkwg"
     rel = {n: ((fla[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in inputs}
-    EVIDENCE.record(f"fla-rule-torch-dqkwg-seq{seq}{'-packed' if cuts else ''}", grad_rel_max_abs=rel)
+    tag = f"{'-packed' if cuts else ''}{'-grouped' if key_heads < heads else ''}"
+    EVIDENCE.record(f"fla-rule-torch-dqkwg-seq{seq}{tag}", grad_rel_max_abs=rel)
     print(seq, rel)
     assert max(rel.values()) <= DQKWG_GRAD_RTOL, rel
+
+
+# The Gated DeltaNet's token mixing on the CUDA path in bf16 (in_proj's output split and convolved by
+# twinkle_specs.gdn_conv in one, q and k at their own head count into fla's rule, the torch dqkwg) against the
+# same layer's portable path in fp32 (torch's conv1d, q and k repeated, megatron-core's torch rule): the output
+# and the gradients of in_proj's output and of the layer's own parameters, each as relative max |Δ| to its
+# largest entry (bf16 rounding of the convolution, fla's TF32 dots).
+MIX_BF16_RTOL = 3e-2
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_gdn_mixing_cuda_path_gradients_match_the_portable_path(packed, tmp_path_factory, gpu):
+    import twinkle_specs as ts
+
+    hf = make_hybrid_checkpoint("qwen3_5", tmp_path_factory.mktemp("mixing") / "qwen3_5")
+    layer, reference = (
+        ts.build_model(hf, params_dtype=dtype, bf16=dtype == torch.bfloat16).decoder.layers[0].self_attention
+        for dtype in (torch.bfloat16, torch.float32)
+    )
+    assert layer.num_value_heads > layer.num_key_heads  # the grouped case
+    reference.config.deterministic_mode = True  # the portable path: torch's convolution and rule
+    batch, seq = (1, 300) if packed else (2, 300)
+    spans = [(0, 37), (37, 101), (101, 102), (102, 300)] if packed else None
+    torch.manual_seed(0)
+    x = torch.randn(seq, batch, layer.in_proj_dim, device="cuda")  # in_proj's output, [s, b, x]
+    dy = torch.randn(batch, seq, layer.v_dim, device="cuda")
+
+    def run(module, dtype):
+        module.zero_grad()
+        leaf = x.to(dtype).requires_grad_()
+        out = module._mix(leaf.transpose(0, 1), spans)
+        out.backward(dy.to(dtype))
+        grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+        return out.float(), {"in_proj output": leaf.grad.float(), **{n: g.float() for n, g in grads.items()}}
+
+    ours, ours_grads = run(layer, torch.bfloat16)
+    ref, ref_grads = run(reference, torch.float32)
+    assert ours_grads.keys() == ref_grads.keys() and "conv1d.weight" in ours_grads, ours_grads.keys()
+    rel = {"output": ((ours - ref).abs().max() / ref.abs().max()).item()}
+    rel |= {n: ((ours_grads[n] - g).abs().max() / g.abs().max()).item() for n, g in ref_grads.items()}
+    EVIDENCE.record(f"gdn-mixing-bf16-vs-portable-fp32-{'packed' if packed else 'rows'}", rel_max_abs=rel)
+    print(rel)
+    assert max(rel.values()) <= MIX_BF16_RTOL, rel

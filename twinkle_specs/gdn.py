@@ -232,39 +232,34 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         """The token mixing: in_proj's output [b, s, x] -> [b, s, v], over whole sequences, or over the
         packed sequences [start, end) of ``spans`` (one row)."""
         batch, seq_len = qkvzba.shape[:2]
-        tp = self.tp_size
-        qkv, gate, beta, alpha = torch.split(
-            qkvzba,
-            [self.conv_dim // tp, self.v_dim // tp, self.num_value_heads // tp, self.num_value_heads // tp],
-            dim=-1,
-        )
-        query, key, value = torch.split(
-            self._conv(qkv, spans), [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1
-        )
+        query, key, value, gate, beta, alpha = self._split_conv(qkvzba, spans)
         query = query.reshape(batch, seq_len, -1, self.key_head_dim)
         key = key.reshape(batch, seq_len, -1, self.key_head_dim)
-        value = value.reshape(batch, seq_len, -1, self.value_head_dim).contiguous()
-        repeat = self.num_value_heads // self.num_key_heads
-        if repeat > 1:
-            query, key = (t.repeat_interleave(repeat, dim=2) for t in (query, key))
+        value = value.reshape(batch, seq_len, -1, self.value_head_dim)
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)
         beta = beta.sigmoid()
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, g, beta))
         rule = _fla_rule(needs_grad) if query.is_cuda and not self.config.deterministic_mode else None
         if rule is not None:  # fla's varlen rule takes the packed sequences in one call
+            # q and k at their own head count: fla maps value head i to key head i // (value / key heads),
+            # as transformers' repeat_interleave does, and sums their gradients over each group itself
             cuts = None if spans is None else [0, *(b for _, b in spans)]
             out, _ = rule(
                 query.contiguous(),
                 key.contiguous(),
-                value,
+                value.contiguous(),
                 g=g,
-                beta=beta.contiguous(),
+                beta=beta,
                 use_qk_l2norm_in_kernel=True,
                 cu_seqlens=None if cuts is None else torch.tensor(cuts, device=query.device),
                 cu_seqlens_cpu=None if cuts is None else torch.tensor(cuts),
             )
         else:
-            query, key, beta = l2norm(query).contiguous(), l2norm(key).contiguous(), beta.contiguous()
+            repeat = self.num_value_heads // self.num_key_heads
+            if repeat > 1:
+                query, key = (t.repeat_interleave(repeat, dim=2) for t in (query, key))
+            query, key = l2norm(query).contiguous(), l2norm(key).contiguous()
+            value, beta = value.contiguous(), beta.contiguous()
             out = torch.cat(
                 [
                     torch_chunk_rule(
@@ -277,14 +272,29 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         out = self._apply_gated_norm(out, gate.reshape(batch, seq_len, -1, self.value_head_dim))
         return out.reshape(batch, seq_len, -1)
 
-    def _conv(self, qkv: torch.Tensor, spans: list[tuple[int, int]] | None) -> torch.Tensor:
-        """The short convolution with its activation, [b, s, d] -> [b, s, d], each packed sequence from its own
-        start: causal-conv1d where installed; else, on CUDA, :mod:`twinkle_specs.gdn_conv`'s kernels, which
-        read ``qkv`` where it lies; else torch's depthwise ``conv1d`` over a [b, d, s] copy."""
+    def _split_conv(
+        self, qkvzba: torch.Tensor, spans: list[tuple[int, int]] | None
+    ) -> tuple[torch.Tensor, ...]:
+        """in_proj's output [b, s, x] -> q, k, v (after the short convolution and its activation, each
+        packed sequence from its own start), z, beta, alpha, each [b, s, its width]. On CUDA without
+        causal-conv1d, :mod:`twinkle_specs.gdn_conv` does the split and the convolution in one: q, k and v
+        come out contiguous, and the backward writes every part's gradient into one gradient of in_proj's
+        output (no copies, no concatenation)."""
+        tp = self.tp_size
+        qk, v, heads = self.qk_dim // tp, self.v_dim // tp, self.num_value_heads // tp
         weight = self.conv1d.weight.squeeze(1)
-        causal_conv1d = _causal_conv1d() if qkv.is_cuda and not self.config.deterministic_mode else None
-        if causal_conv1d is None and gdn_conv.usable(qkv, weight, self.activation):
-            return gdn_conv.conv_silu(qkv, weight, None if spans is None else _starts(spans, qkv.device))
+        causal_conv1d = _causal_conv1d() if qkvzba.is_cuda and not self.config.deterministic_mode else None
+        if causal_conv1d is None and gdn_conv.usable(qkvzba, weight, self.activation):
+            starts = None if spans is None else _starts(spans, qkvzba.device)
+            return gdn_conv.split_conv_silu(qkvzba, weight, (qk, qk, v, v, heads, heads), starts)
+        qkv, gate, beta, alpha = torch.split(qkvzba, [2 * qk + v, v, heads, heads], dim=-1)
+        return (*torch.split(self._conv(qkv, spans, causal_conv1d), [qk, qk, v], dim=-1), gate, beta, alpha)
+
+    def _conv(self, qkv: torch.Tensor, spans: list[tuple[int, int]] | None, causal_conv1d) -> torch.Tensor:
+        """The short convolution with its activation, [b, s, d] -> [b, s, d], each packed sequence from its own
+        start: ``causal_conv1d`` (causal-conv1d's function, where installed and on CUDA), else torch's
+        depthwise ``conv1d``, over a [b, d, s] copy."""
+        weight = self.conv1d.weight.squeeze(1)
         x = qkv.transpose(1, 2).contiguous()  # [b, d, s]
         if spans is not None:  # (kernel - 1) zeros before each sequence: one convolution restarts at each
             places = _places(spans, self.conv_kernel_dim - 1, x.device)

@@ -51,22 +51,54 @@ def usable(x: torch.Tensor, weight: torch.Tensor, activation: str) -> bool:
 def conv_silu(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None = None) -> torch.Tensor:
     """silu(causal depthwise conv) of ``x`` [b, s, c] with ``weight`` [c, K] -> [b, s, c] (contiguous),
     differentiable in both; ``starts`` (int32 [s], b = 1) restarts it at each packed sequence."""
+    return split_conv_silu(x, weight, (x.shape[-1],), starts)[0]
+
+
+def split_conv_silu(
+    x: torch.Tensor, weight: torch.Tensor, sections: tuple[int, ...], starts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """``x`` [b, s, sum(sections)] (the Gated DeltaNet's in_proj output) split along its channels by
+    ``sections``: the leading sections that ``weight`` [c, K] covers (their widths add up to c) come back
+    convolved and SiLU'd, each a contiguous [b, s, width] (fla's rule takes them without a copy); the others
+    as views of ``x``. The backward writes every section's gradient into one gradient of ``x``'s layout
+    (the convolved ones by the input-gradient kernel, in place), where a split and a separate convolution
+    would concatenate them. ``starts`` (int32 [s], b = 1) restarts the convolution at each packed sequence."""
     if starts is not None and x.shape[0] != 1:
         raise ValueError(f"packed sequences (starts) come as one row, b = 1, not {x.shape[0]}")
-    return _ConvSilu.apply(x, weight, starts)
+    if sum(sections) != x.shape[-1]:
+        raise ValueError(f"sections {tuple(sections)} do not add up to the {x.shape[-1]} channels")
+    return _SplitConvSilu.apply(x, weight, starts, tuple(sections))
 
 
-class _ConvSilu(torch.autograd.Function):
+def _bounds(sections: tuple[int, ...], convolved: int) -> tuple[list[tuple[int, int]], int]:
+    """Each section's [first, end) channel, and how many leading sections the weight's ``convolved``
+    channels cover."""
+    ends = [sum(sections[: i + 1]) for i in range(len(sections))]
+    if convolved not in ends:
+        raise ValueError(f"the weight's {convolved} channels end no leading run of the sections {sections}")
+    return list(zip([0, *ends[:-1]], ends, strict=True)), ends.index(convolved) + 1
+
+
+class _SplitConvSilu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, starts):
+    def forward(ctx, x, weight, starts, sections):
+        bounds, n = _bounds(sections, weight.shape[0])
+        ctx.set_materialize_grads(False)  # an unused section's gradient stays None: nothing to compute
         ctx.save_for_backward(x, weight, starts)
-        return _forward(x, weight, starts)
+        ctx.bounds, ctx.n = bounds, n
+        convolved = [_forward(x[..., a:e], weight[a:e], starts) for a, e in bounds[:n]]
+        return (*convolved, *(x[..., a:e] for a, e in bounds[n:]))
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, *grads):
         x, weight, starts = ctx.saved_tensors
-        dx, dw = _backward(dy, x, weight, starts, ctx.needs_input_grad[1])
-        return dx, dw, None
+        bounds, n = ctx.bounds, ctx.n
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        dw = _backward(grads[:n], bounds[:n], x, weight, starts, dx, ctx.needs_input_grad[1])
+        if dx is not None:
+            for (a, e), dy in zip(bounds[n:], grads[n:], strict=True):
+                dx[..., a:e].zero_() if dy is None else dx[..., a:e].copy_(dy)
+        return dx, dw, None, None
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
@@ -80,25 +112,40 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, starts: torch.Tensor | None)
     return y
 
 
-def _backward(dy, x, weight, starts, weight_grad: bool):
-    b, s, c = x.shape
-    k = weight.shape[1]
+def _backward(dys, bounds, x, weight, starts, dx, weight_grad: bool) -> torch.Tensor | None:
+    """The convolved sections' input gradients, written into ``dx`` (None: not wanted), and the weight
+    gradient (``weight_grad``), summed once from every section's per-block partials."""
+    b, s, _ = x.shape
+    c, k = weight.shape
     bt, bc, warps = BLOCKS
-    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-    grid = (triton.cdiv(s, bt), triton.cdiv(c, bc), b)
-    ds = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
-    partial = torch.empty(b * grid[0], c, k, dtype=torch.float32, device=x.device) if weight_grad else ds
+    rows = b * triton.cdiv(s, bt)
+    partial = torch.empty(rows, c, k, dtype=torch.float32, device=x.device) if weight_grad else None
     start = x if starts is None else starts
-    _bwd_silu_kernel[grid](
-        x, weight, dy, start, ds, partial, s, c, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
-        K=k, HAS_START=starts is not None, WEIGHT_GRAD=weight_grad, BT=bt, BC=bc, num_warps=warps,
-    )  # fmt: skip
-    dx = torch.empty(b, s, c, dtype=x.dtype, device=x.device)
-    _bwd_input_kernel[grid](
-        ds, weight, start, dx, s, c, K=k, HAS_START=starts is not None, BT=bt, BC=bc, num_warps=warps
-    )  # fmt: skip
-    dw = partial.sum(0).to(weight.dtype) if weight_grad else None
-    return dx, dw
+    for (a, e), dy in zip(bounds, dys, strict=True):
+        width = e - a
+        if dy is None:  # this section's output was not used: no gradient through it
+            if dx is not None:
+                dx[..., a:e].zero_()
+            if partial is not None:
+                partial[:, a:e].zero_()
+            continue
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        grid = (triton.cdiv(s, bt), triton.cdiv(width, bc), b)
+        ds = torch.empty(b, s, width, dtype=x.dtype, device=x.device)
+        xs, ws = x[..., a:e], weight[a:e]
+        part = ds if partial is None else partial[:, a:e]
+        _bwd_silu_kernel[grid](
+            xs, ws, dy, start, ds, part, s, width, xs.stride(0), xs.stride(1), dy.stride(0), dy.stride(1),
+            part.stride(0), K=k, HAS_START=starts is not None, WEIGHT_GRAD=partial is not None, BT=bt, BC=bc,
+            num_warps=warps,
+        )  # fmt: skip
+        if dx is not None:
+            out = dx[..., a:e]
+            _bwd_input_kernel[grid](
+                ds, ws, start, out, s, width, out.stride(0), out.stride(1), K=k, HAS_START=starts is not None,
+                BT=bt, BC=bc, num_warps=warps,
+            )  # fmt: skip
+    return None if partial is None else partial.sum(0).to(weight.dtype)
 
 
 if triton is not None:
@@ -167,6 +214,7 @@ if triton is not None:
         s_xt,
         s_db,
         s_dt,
+        s_pr,
         K: tl.constexpr,
         HAS_START: tl.constexpr,
         WEIGHT_GRAD: tl.constexpr,
@@ -190,7 +238,7 @@ if triton is not None:
             row = b * tl.num_programs(0) + tl.program_id(0)
             for j in tl.static_range(K):
                 tap = _tap(x_ptr, b, t, c, lo, tmask, cmask, s_xb, s_xt, j, K)
-                tl.store(part_ptr + (row * C + c) * K + j, tl.sum(ds * tap.to(tl.float32), axis=0), mask=cmask)  # fmt: skip
+                tl.store(part_ptr + row * s_pr + c * K + j, tl.sum(ds * tap.to(tl.float32), axis=0), mask=cmask)  # fmt: skip
 
     @triton.jit
     def _bwd_input_kernel(
@@ -200,6 +248,8 @@ if triton is not None:
         dx_ptr,
         S,
         C,
+        s_xb,
+        s_xt,
         K: tl.constexpr,
         HAS_START: tl.constexpr,
         BT: tl.constexpr,
@@ -221,4 +271,4 @@ if triton is not None:
             )
             w = tl.load(w_ptr + c * K + j, mask=cmask, other=0.0)
             acc += d.to(tl.float32) * w.to(tl.float32)[None, :]
-        tl.store(dx_ptr + (b * S + t[:, None]) * C + c[None, :], acc.to(dx_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])  # fmt: skip
+        tl.store(dx_ptr + b * s_xb + t[:, None] * s_xt + c[None, :], acc.to(dx_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])  # fmt: skip
