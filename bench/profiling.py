@@ -55,12 +55,15 @@ def profile_steps(step, n: int, out_dir: Path, tag: str, trace: bool, stacks: bo
     """Profiles ``n`` iterations; writes the top-kernel table to ``profile-<tag>.txt`` (and a chrome
     trace with ``trace``; with ``stacks``, the device time of each operator by its Python call site, which
     tells what launched a copy) and returns the device-time breakdown by category and busy vs wall time."""
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu() else [])
     sync()
     t0 = time.perf_counter()
-    with profile(activities=activities, record_shapes=False, with_stack=stacks) as prof:
+    # torch keeps Python call sites for the table only with its verbose experimental config
+    verbose = {"experimental_config": _ExperimentalConfig(verbose=True)} if stacks else {}
+    with profile(activities=activities, record_shapes=False, with_stack=stacks, **verbose) as prof:
         for _ in range(n):
             step()
         sync()

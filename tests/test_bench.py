@@ -1368,3 +1368,19 @@ def test_unsloth_targets_are_the_adapters_peft_all_linear_trains(shape):
     assert adapted(ours) == adapted(reference) and any(".linear_attn." in n for n in adapted(ours))
     if "moe" in shape:
         assert {"gate_proj", "up_proj", "down_proj"}.isdisjoint(targets), targets
+
+
+def test_profile_stacks_name_the_call_site_of_each_operator(tmp_path):
+    """--profile-stacks: the profile's operator table names the Python line that launched each operator
+    (here the transposed copy of this test's step), which the per-kernel tables cannot."""
+    from bench.profiling import profile_steps
+
+    x = torch.randn(256, 256)
+
+    def transposed_copy_step():
+        return x.t().contiguous().sum()
+
+    profile_steps(transposed_copy_step, 2, tmp_path, "stacks", trace=False, stacks=True)
+    text = (tmp_path / "profile-stacks.txt").read_text()
+    sites = text.split("device time by operator and call site")[1]
+    assert "aten::copy_" in sites and "transposed_copy_step" in sites, sites[:3000]

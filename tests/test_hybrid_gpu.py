@@ -148,8 +148,10 @@ def test_fla_rule_with_the_torch_dqkwg_matches_the_torch_reference(seq, cuts, ke
 # twinkle_specs.gdn_conv in one, q and k at their own head count into fla's rule, the torch dqkwg) against the
 # same layer's portable path in fp32 (torch's conv1d, q and k repeated, megatron-core's torch rule): the output
 # and the gradients of in_proj's output and of the layer's own parameters, each as relative max |Δ| to its
-# largest entry (bf16 rounding of the convolution, fla's TF32 dots).
-MIX_BF16_RTOL = 3e-2
+# largest entry (bf16 rounding of the convolution, fla's TF32 dots). Measured on an H100 (2026-11-27), rows:
+# in_proj output 2.7e-2, output 1.9e-2, conv weight 1.6e-2, out_norm weight 1.1e-2, dt_bias 8.0e-3, A_log
+# 6.7e-3; packed within 3e-2. An indexing or head-grouping error is O(1).
+MIX_BF16_RTOL = 4e-2
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
