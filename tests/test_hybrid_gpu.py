@@ -157,6 +157,7 @@ MIX_BF16_RTOL = 4e-2
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 def test_gdn_mixing_cuda_path_gradients_match_the_portable_path(packed, tmp_path_factory, gpu):
     import twinkle_specs as ts
+    from twinkle_specs.gdn import PackedRow
 
     hf = make_hybrid_checkpoint("qwen3_5", tmp_path_factory.mktemp("mixing") / "qwen3_5")
     layer, reference = (
@@ -166,7 +167,8 @@ def test_gdn_mixing_cuda_path_gradients_match_the_portable_path(packed, tmp_path
     assert layer.num_value_heads > layer.num_key_heads  # the grouped case
     reference.config.deterministic_mode = True  # the portable path: torch's convolution and rule
     batch, seq = (1, 300) if packed else (2, 300)
-    spans = [(0, 37), (37, 101), (101, 102), (102, 300)] if packed else None
+    spans = [(0, 37), (37, 101), (101, 102), (102, 300)]
+    row = PackedRow(spans, torch.device("cuda")) if packed else None
     torch.manual_seed(0)
     x = torch.randn(seq, batch, layer.in_proj_dim, device="cuda")  # in_proj's output, [s, b, x]
     dy = torch.randn(batch, seq, layer.v_dim, device="cuda")
@@ -174,7 +176,7 @@ def test_gdn_mixing_cuda_path_gradients_match_the_portable_path(packed, tmp_path
     def run(module, dtype):
         module.zero_grad()
         leaf = x.to(dtype).requires_grad_()
-        out = module._mix(leaf.transpose(0, 1), spans)
+        out = module._mix(leaf.transpose(0, 1), row)
         out.backward(dy.to(dtype))
         grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
         return out.float(), {"in_proj output": leaf.grad.float(), **{n: g.float() for n, g in grads.items()}}

@@ -185,3 +185,133 @@ def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, tmp_path):
     assert abs(losses[1] - first) <= LOSS_RTOL * first, stats
     assert abs(losses[4] - peft4) <= LOSS_RTOL * peft4, stats
     assert losses[6] < losses[1], stats
+
+
+def _megatron_has_sft_tokenizer() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core.tokenizers.text.libraries.sft_tokenizer") is not None
+    except ImportError:
+        return False
+
+
+def _megatron_sft_row(hf, messages: list[dict], length: int) -> dict[str, torch.Tensor]:
+    """The row Megatron-LM's own SFTDataset (core_v0.19) makes of one JSONL line with its SFTTokenizer in
+    the ``default`` prompt format, built by that code itself."""
+    import types
+
+    import numpy as np
+    from megatron.core.tokenizers import MegatronTokenizer
+    from megatron.training.datasets.sft_dataset import SFTDataset
+
+    tokenizer = MegatronTokenizer.from_pretrained(
+        tokenizer_path=str(hf), metadata_path={"library": "sft"}, prompt_format="default"
+    )
+    dataset = SFTDataset.__new__(SFTDataset)  # only __getitem__'s inputs, none of the index building
+    dataset.dataset, dataset.indices = [messages], np.array([0])
+    dataset.config = types.SimpleNamespace(
+        tokenizer=tokenizer,
+        sequence_length=length,
+        context_parallel_size=1,
+        reset_position_ids=False,
+        create_attention_mask=False,
+        reset_attention_mask=False,
+    )
+    return dataset[0]
+
+
+@pytest.mark.skipif(
+    not os.environ.get("MEGATRON_LM_ROOT"), reason="needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT"
+)
+@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="needs the sft extra (datasets)")
+@pytest.mark.skipif(
+    not _megatron_has_sft_tokenizer(),
+    reason="Megatron-LM's SFTTokenizer has a prompt format for a Qwen chat template from core_v0.19 on",
+)
+def test_plain_pretrain_gpt_sft_with_megatron_sft_tokenizer(tmp_path):
+    """Without the launcher: `twinkle-specs convert`, then the unmodified pretrain_gpt.py with `twinkle-specs
+    args`' flags (our spec), --sft and Megatron-LM's own SFTTokenizer in its ``default`` prompt format (the
+    checkpoint's chat template; Megatron then trains on every token: the answer-only mask is the launcher's).
+    Every JSONL line is the same row of three conversations, so each micro-batch is that row whatever order
+    Megatron draws: iteration 1's loss (full fine-tune, bf16) equals transformers' fp32 loss on the row's
+    conversations run one by one with the row's labels and mask; and the loss falls."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_launch_gpu import LOSS_RTOL as STEP_RTOL
+    from test_launch_gpu import ROOT, hf_model, run_logged
+
+    from twinkle_specs import megatron_args_from_hf
+
+    hf = make_checkpoint("qwen3", tmp_path / "qwen3", max_position_embeddings=ROW)
+    save_tokenizer(hf, "qwen3")
+    line = [m for c in (_with_system(c) for c in conversations(3, seed=5)) for m in c]
+    data = tmp_path / "chat.jsonl"
+    data.write_text((json.dumps({"messages": line}) + "\n") * 8)
+    conv = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "twinkle_specs.cli",
+            "convert",
+            "--hf-model",
+            str(hf),
+            "--save",
+            str(tmp_path / "ck"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert conv.returncode == 0, conv.stdout[-3000:] + conv.stderr[-3000:]
+    flags = [
+        *megatron_args_from_hf(hf),
+        "--load",
+        str(tmp_path / "ck"),
+        "--finetune",
+        "--use-checkpoint-args",
+    ]
+    flags += ["--tokenizer-type", "SFTTokenizer", "--tokenizer-model", str(hf)]
+    flags += [
+        "--sft-tokenizer-prompt-format",
+        "default",
+        "--sft",
+        "--data-path",
+        str(data),
+        "--split",
+        "100,0,0",
+    ]
+    flags += [
+        "--no-create-attention-mask-in-dataloader",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "2",
+    ]
+    flags += ["--seq-length", str(ROW), "--train-iters", "4", "--eval-interval", "1000", "--eval-iters", "0"]
+    flags += ["--lr", "2e-3", "--lr-decay-style", "constant", "--bf16", "--log-interval", "1"]
+    flags += ["--no-gradient-accumulation-fusion"]
+    losses, log = run_logged(
+        [*torchrun(1), str(Path(ROOT) / "pretrain_gpt.py"), *flags],
+        "plain-pretrain-gpt-sft",
+        dict(os.environ),
+    )
+    assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
+
+    row = _megatron_sft_row(hf, line, ROW)
+    cu = row["cu_seqlens"][row["cu_seqlens"] < ROW].tolist() + [ROW]  # the padded table ends in repeats
+    assert len(cu) > 3, cu  # several conversations in the row
+    model = hf_model(hf).cuda()
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for a, e in zip(cu[:-1], cu[1:], strict=True):  # each conversation alone, the row's labels
+            logits = model(row["tokens"][None, a:e].cuda()).logits[0].float()
+            ce = torch.nn.functional.cross_entropy(logits, row["labels"][a:e].cuda(), reduction="none")
+            total += (ce * row["loss_mask"][a:e].cuda()).sum().item()
+            count += row["loss_mask"][a:e].sum().item()
+    first = total / count
+    stats = dict(megatron=losses, transformers_iter1=first, conversations=len(cu) - 1)
+    EVIDENCE.record("plain-pretrain-gpt-sft-full", **stats)
+    print(stats)
+    assert abs(losses[1] - first) <= STEP_RTOL * first, stats
+    assert losses[4] < losses[1], stats

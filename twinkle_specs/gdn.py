@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -224,15 +225,15 @@ class PortableGatedDeltaNet(GatedDeltaNet):
             raise NotImplementedError("Gated DeltaNet: inference is not supported")
         qkvzba, _ = self.in_proj(hidden_states)
         qkvzba = qkvzba.transpose(0, 1)  # [b, s, x]
-        spans = None if packed_seq_params is None else _sequences(packed_seq_params, qkvzba)
-        out = self._mix(qkvzba, spans)
+        row = None if packed_seq_params is None else PackedRow.of(packed_seq_params, qkvzba)
+        out = self._mix(qkvzba, row)
         return self.out_proj(out.transpose(0, 1).contiguous())
 
-    def _mix(self, qkvzba: torch.Tensor, spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    def _mix(self, qkvzba: torch.Tensor, row: PackedRow | None = None) -> torch.Tensor:
         """The token mixing: in_proj's output [b, s, x] -> [b, s, v], over whole sequences, or over the
-        packed sequences [start, end) of ``spans`` (one row)."""
+        packed sequences of ``row`` (micro-batch 1)."""
         batch, seq_len = qkvzba.shape[:2]
-        query, key, value, gate, beta, alpha = self._split_conv(qkvzba, spans)
+        query, key, value, gate, beta, alpha = self._split_conv(qkvzba, row)
         query = query.reshape(batch, seq_len, -1, self.key_head_dim)
         key = key.reshape(batch, seq_len, -1, self.key_head_dim)
         value = value.reshape(batch, seq_len, -1, self.value_head_dim)
@@ -243,7 +244,6 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         if rule is not None:  # fla's varlen rule takes the packed sequences in one call
             # q and k at their own head count: fla maps value head i to key head i // (value / key heads),
             # as transformers' repeat_interleave does, and sums their gradients over each group itself
-            cuts = None if spans is None else [0, *(b for _, b in spans)]
             out, _ = rule(
                 query.contiguous(),
                 key.contiguous(),
@@ -251,8 +251,8 @@ class PortableGatedDeltaNet(GatedDeltaNet):
                 g=g,
                 beta=beta,
                 use_qk_l2norm_in_kernel=True,
-                cu_seqlens=None if cuts is None else torch.tensor(cuts, device=query.device),
-                cu_seqlens_cpu=None if cuts is None else torch.tensor(cuts),
+                cu_seqlens=None if row is None else row.cu_seqlens,
+                cu_seqlens_cpu=None if row is None else row.cu_seqlens_cpu,
             )
         else:
             repeat = self.num_value_heads // self.num_key_heads
@@ -265,16 +265,14 @@ class PortableGatedDeltaNet(GatedDeltaNet):
                     torch_chunk_rule(
                         query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b]
                     )[0]
-                    for a, b in spans or [(0, seq_len)]
+                    for a, b in (row.spans if row else [(0, seq_len)])
                 ],
                 dim=1,
             )
         out = self._apply_gated_norm(out, gate.reshape(batch, seq_len, -1, self.value_head_dim))
         return out.reshape(batch, seq_len, -1)
 
-    def _split_conv(
-        self, qkvzba: torch.Tensor, spans: list[tuple[int, int]] | None
-    ) -> tuple[torch.Tensor, ...]:
+    def _split_conv(self, qkvzba: torch.Tensor, row: PackedRow | None) -> tuple[torch.Tensor, ...]:
         """in_proj's output [b, s, x] -> q, k, v (after the short convolution and its activation, each
         packed sequence from its own start), z, beta, alpha, each [b, s, its width]. On CUDA without
         causal-conv1d, :mod:`twinkle_specs.gdn_conv` does the split and the convolution in one: q, k and v
@@ -285,26 +283,26 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         weight = self.conv1d.weight.squeeze(1)
         causal_conv1d = _causal_conv1d() if qkvzba.is_cuda and not self.config.deterministic_mode else None
         if causal_conv1d is None and gdn_conv.usable(qkvzba, weight, self.activation):
-            starts = None if spans is None else _starts(spans, qkvzba.device)
+            starts = None if row is None else row.starts
             return gdn_conv.split_conv_silu(qkvzba, weight, (qk, qk, v, v, heads, heads), starts)
         qkv, gate, beta, alpha = torch.split(qkvzba, [2 * qk + v, v, heads, heads], dim=-1)
-        return (*torch.split(self._conv(qkv, spans, causal_conv1d), [qk, qk, v], dim=-1), gate, beta, alpha)
+        return (*torch.split(self._conv(qkv, row, causal_conv1d), [qk, qk, v], dim=-1), gate, beta, alpha)
 
-    def _conv(self, qkv: torch.Tensor, spans: list[tuple[int, int]] | None, causal_conv1d) -> torch.Tensor:
+    def _conv(self, qkv: torch.Tensor, row: PackedRow | None, causal_conv1d) -> torch.Tensor:
         """The short convolution with its activation, [b, s, d] -> [b, s, d], each packed sequence from its own
         start: ``causal_conv1d`` (causal-conv1d's function, where installed and on CUDA), else torch's
         depthwise ``conv1d``, over a [b, d, s] copy."""
         weight = self.conv1d.weight.squeeze(1)
         x = qkv.transpose(1, 2).contiguous()  # [b, d, s]
-        if spans is not None:  # (kernel - 1) zeros before each sequence: one convolution restarts at each
-            places = _places(spans, self.conv_kernel_dim - 1, x.device)
-            wide = x.shape[-1] + len(spans) * (self.conv_kernel_dim - 1)
+        if row is not None:  # (kernel - 1) zeros before each sequence: one convolution restarts at each
+            places = row.places(self.conv_kernel_dim - 1)
+            wide = x.shape[-1] + len(row.spans) * (self.conv_kernel_dim - 1)
             x = x.new_zeros(*x.shape[:2], wide).index_copy(2, places, x)
         if causal_conv1d is None:
             x = self.act_fn(self.conv1d(x)[..., : x.shape[-1]])
         else:
             x = causal_conv1d(x=x, weight=weight, bias=None, activation=self.activation)
-        if spans is not None:
+        if row is not None:
             x = x.index_select(2, places)
         return x.transpose(1, 2)
 
@@ -319,27 +317,64 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         """Weights come from the checkpoint; the random init of megatron-core's module needs CUDA."""
 
 
-def _places(spans: list[tuple[int, int]], gap: int, device: torch.device) -> torch.Tensor:
-    """Where each token of the packed spans sits in a row that puts ``gap`` zeros before each span."""
-    return torch.cat([torch.arange(a, b) + gap * (i + 1) for i, (a, b) in enumerate(spans)]).to(device)
-
-
-def _starts(spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
-    """Each token's sequence start (int32) in a row of the packed spans."""
-    first = torch.tensor([a for a, _ in spans], dtype=torch.int32)
-    return torch.repeat_interleave(first, torch.tensor([b - a for a, b in spans])).to(device)
-
-
 def packed_bounds(params) -> torch.Tensor:
     """The sequence bounds of a packed batch (megatron's ``PackedSeqParams``) that every layer restarts at:
     the padded ones where given, as megatron's RoPE uses them."""
     return params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
 
 
-def _sequences(params, qkvzba: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) of each packed sequence (the padded bounds where given), covering all tokens."""
-    if params.qkv_format != "thd" or qkvzba.shape[0] != 1:
-        raise NotImplementedError("Gated DeltaNet takes packed sequences in THD format (micro-batch 1) only")
-    inner = (int(b) for b in packed_bounds(params).tolist() if 0 < b < qkvzba.shape[1])
-    cuts = sorted({0, qkvzba.shape[1], *inner})
-    return list(zip(cuts[:-1], cuts[1:], strict=True))
+class PackedRow:
+    """One micro-batch's packed sequences as every Gated DeltaNet layer takes them: ``spans``, the [start, end)
+    of each sequence (the padded bounds where given, covering all tokens), and the tensors the kernels read,
+    made once per micro-batch (:meth:`of`): reading the bounds makes the host wait for the GPU, and each
+    small host-to-device copy waits again, once per layer otherwise."""
+
+    # id of a live bounds tensor -> {row length: PackedRow} (tensors compare by value, so no WeakKeyDictionary)
+    _rows: dict[int, dict[int, PackedRow]] = {}
+
+    def __init__(self, spans: list[tuple[int, int]], device: torch.device) -> None:
+        self.spans, self.device = spans, device
+        self._places: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, params, qkvzba: torch.Tensor) -> PackedRow:
+        """The row of megatron's ``PackedSeqParams`` for in_proj's output [1, s, x], shared by the layers
+        of one micro-batch (the same bounds tensor)."""
+        if params.qkv_format != "thd" or qkvzba.shape[0] != 1:
+            raise NotImplementedError(
+                "Gated DeltaNet takes packed sequences in THD format (micro-batch 1) only"
+            )
+        bounds, length = packed_bounds(params), qkvzba.shape[1]
+        rows = cls._rows.get(id(bounds))
+        if rows is None:
+            rows = cls._rows[id(bounds)] = {}
+            weakref.finalize(bounds, cls._rows.pop, id(bounds), None)  # before the id can be reused
+        if length not in rows:
+            inner = (int(b) for b in bounds.tolist() if 0 < b < length)
+            cuts = sorted({0, length, *inner})
+            rows[length] = cls(list(zip(cuts[:-1], cuts[1:], strict=True)), qkvzba.device)
+        return rows[length]
+
+    def places(self, gap: int) -> torch.Tensor:
+        """Where each token sits in a row that puts ``gap`` zeros before each sequence, on the row's device
+        (the portable convolution and causal-conv1d restart at each sequence over such a row)."""
+        if gap not in self._places:
+            shifted = [torch.arange(a, b) + gap * (i + 1) for i, (a, b) in enumerate(self.spans)]
+            self._places[gap] = torch.cat(shifted).to(self.device)
+        return self._places[gap]
+
+    @functools.cached_property
+    def cu_seqlens_cpu(self) -> torch.Tensor:
+        return torch.tensor([0, *(b for _, b in self.spans)])
+
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """fla's varlen bounds, on the row's device."""
+        return self.cu_seqlens_cpu.to(self.device)
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        """Each token's sequence start (int32), on the row's device (:mod:`twinkle_specs.gdn_conv`)."""
+        first = torch.tensor([a for a, _ in self.spans], dtype=torch.int32)
+        lengths = torch.tensor([b - a for a, b in self.spans])
+        return torch.repeat_interleave(first, lengths).to(self.device)
