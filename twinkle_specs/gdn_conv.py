@@ -10,7 +10,9 @@ DeltaNet layer's forward and backward on an H100. Here the forward reads in_proj
 row stride, channels contiguous) and writes silu(conv) [b, s, channels]; the backward recomputes the
 pre-activation from the input (nothing else is saved), writes SiLU's gradient once and turns it into the
 input gradient, with the weight gradient summed from per-block partials (no atomics: the same result on
-every run).
+every run). :func:`split_conv_silu` takes the whole in_proj output: q, k and v come out convolved, each
+contiguous, z, beta and alpha as views, and the backward writes all their gradients into one gradient of
+in_proj's output (what a split, a convolution and autograd's concatenations did in several copies).
 
 Packed rows (``starts``: int32 [s], each token's sequence start; micro-batch 1) stop every tap at its
 sequence's first token, as that sequence alone would see zeros before it.
