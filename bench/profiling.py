@@ -39,8 +39,8 @@ CATEGORIES = (
 )
 
 
-RANGES = ("forward", "backward", "optimizer")
-STACK_DEPTH = 6  # Python frames that name an operator's call site in the --profile-stacks table  # record_function ranges of every step
+RANGES = ("forward", "backward", "optimizer")  # record_function ranges of every step
+STACK_DEPTH = 6  # Python frames that name an operator's call site in the --profile-stacks table
 
 
 def categorize(name: str) -> str:
