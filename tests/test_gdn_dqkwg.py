@@ -192,3 +192,26 @@ def test_enable_registers_one_backend_for_the_gated_case(monkeypatch):
     assert not backend.chunk_bwd_dqkwg_verifier(x, x, x, x, x, x, g=None)[0]
     assert backend.chunk_bwd_dqkwg_verifier(x, x, x, x, x, x, None, g, cu_seqlens=torch.tensor([0, 64]))[0]
     assert not backend.chunk_bwd_dqkwg_verifier(x, x, x, x, x, x, None, g, torch.ones(1))[0]  # g_gamma
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_products_run_on_tf32_inside_and_the_process_setting_comes_back(before, monkeypatch):
+    """fp32 products on TF32 tensor cores during the call only (the CPU ignores the flag): whatever the
+    process had set is there again afterwards, also when the call raises."""
+    seen, process = [], torch.backends.cuda.matmul.allow_tf32
+    monkeypatch.setattr(gdn_dqkwg, "_dqkwg", lambda *a: seen.append(torch.backends.cuda.matmul.allow_tf32))
+    x, g = torch.zeros(1, 64, 1, 8), torch.zeros(1, 64, 1)
+    torch.backends.cuda.matmul.allow_tf32 = before
+    try:
+        gdn_dqkwg.chunk_bwd_dqkwg(x, x, x, x, x, x, g=g)
+        assert seen == [True] and torch.backends.cuda.matmul.allow_tf32 is before
+
+        def fails(*_):
+            raise RuntimeError("inside")
+
+        monkeypatch.setattr(gdn_dqkwg, "_dqkwg", fails)
+        with pytest.raises(RuntimeError, match="inside"):
+            gdn_dqkwg.chunk_bwd_dqkwg(x, x, x, x, x, x, g=g)
+        assert torch.backends.cuda.matmul.allow_tf32 is before
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = process

@@ -3,7 +3,8 @@
 flash-linear-attention 0.6 raises in one backward kernel of its chunked gated delta rule (``chunk_bwd_dqkwg``
 with a gate) on Hopper GPUs with Triton >= 3.4 and < 3.7.1 (Triton miscompiles it there; torch 2.11 ships
 Triton 3.6), unless tilelang is installed. Every other kernel of the rule is fine. This module computes that
-one step with batched matmuls over all chunks (the same arithmetic as fla's Triton kernel, in fp32) and offers
+one step with batched matmuls over all chunks (the same arithmetic as fla's Triton kernel, in fp32 with the
+products on TF32 tensor cores; rows of whole chunks as views, others gathered chunk by chunk) and offers
 it to fla as a backend of its ``common`` operations, so that training keeps fla's kernels for the rest instead
 of falling back to the far slower torch reference of the whole rule.
 
@@ -14,6 +15,7 @@ gated ``chunk_bwd_dqkwg`` runs here for every caller (it would have raised for t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -49,17 +51,41 @@ def chunk_bwd_dqkwg(
     """
     if why := unsupported(g, g_gamma):
         raise NotImplementedError(why)
+    with _tf32_matmuls():
+        return _dqkwg(
+            q, k, v, do, h, dh, w, g, dv, scale, state_v_first, cu_seqlens, chunk_size, chunk_indices
+        )
+
+
+@contextlib.contextmanager
+def _tf32_matmuls():
+    """fp32 matrix products on TF32 tensor cores while inside (on CUDA; the CPU ignores it), as fla's kernel
+    runs its dots on tensor cores (with bf16 inputs, coarser than TF32) where full fp32 products run on the
+    CUDA cores, several times slower. The process's own setting comes back on the way out."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _dqkwg(q, k, v, do, h, dh, w, g, dv, scale, state_v_first, cu_seqlens, chunk_size, chunk_indices):
     B, T, H, K = k.shape
     HV, BT = v.shape[2], chunk_size
     scale = K**-0.5 if scale is None else scale
     start, length = _chunk_table(B, T, BT, cu_seqlens, chunk_indices, q.device)
     offset = torch.arange(BT, device=q.device)
     valid = offset < length[:, None]  # [NC, BT]
-    # each chunk's tokens, past its end its last real token again (zeroed below, but for the gate)
-    index = (start[:, None] + torch.minimum(offset, length[:, None] - 1)).clamp(0, B * T - 1)
+    # fixed-length rows of whole chunks: every chunk is a plain slice of the tokens, no gather, nothing to zero
+    aligned = cu_seqlens is None and T % BT == 0
+    if not aligned:  # each chunk's tokens, past its end its last real token again (zeroed, but for the gate)
+        index = (start[:, None] + torch.minimum(offset, length[:, None] - 1)).clamp(0, B * T - 1)
 
     def chunks(x: torch.Tensor) -> torch.Tensor:
         """[B, T, heads, d] -> [heads, NC, BT, d] in fp32, zero past each chunk's end."""
+        if aligned:
+            return x.float().reshape(-1, BT, *x.shape[2:]).movedim(2, 0)
         x = x.float().flatten(0, 1)[index]
         return torch.where(valid[:, :, None, None], x, 0).movedim(2, 0)
 
@@ -67,7 +93,8 @@ def chunk_bwd_dqkwg(
     qc = chunks(q).repeat_interleave(group, dim=0)  # [HV, NC, BT, K]
     kc = chunks(k).repeat_interleave(group, dim=0)
     vc, doc = chunks(v), chunks(do)
-    gc = g.float().flatten(0, 1)[index].movedim(2, 0)  # [HV, NC, BT]; past a chunk's end, its last real gate
+    # [HV, NC, BT]; past a chunk's end, its last real gate
+    gc = (g.float().reshape(-1, BT, HV) if aligned else g.float().flatten(0, 1)[index]).movedim(2, 0)
     # states as [HV, NC, K, V]
     hs, dhs = (s.float().flatten(0, 1).movedim(1, 0) for s in (h, dh))
     if state_v_first:
@@ -90,14 +117,17 @@ def chunk_bwd_dqkwg(
     # each chunk's last real position takes the gradient of the chunk's last gate
     dg = dg + torch.where(offset == length[:, None] - 1, dg_last.unsqueeze(-1), 0)
 
-    # every token's place among the chunks' positions. Fixed-length, or packed with fla's chunk table: no host
-    # copy anywhere here (CUDA graphs capture this); a table built here asks the host for its length.
-    token = torch.arange(B * T, device=q.device)
-    chunk = torch.searchsorted(start, token, right=True) - 1
-    place = chunk * BT + token - start[chunk]
+    if not aligned:  # every token's place among the chunks' positions. Fixed-length, or packed with fla's
+        # chunk table: no host copy anywhere here (CUDA graphs capture this); a table built here asks the host
+        # for its length.
+        token = torch.arange(B * T, device=q.device)
+        chunk = torch.searchsorted(start, token, right=True) - 1
+        place = chunk * BT + token - start[chunk]
 
     def tokens(x: torch.Tensor) -> torch.Tensor:
         """[heads, NC, BT, d] -> [B, T, heads, d]"""
+        if aligned:
+            return x.movedim(0, 2).reshape(B, T, x.shape[0], x.shape[-1])
         return x.movedim(0, 2).flatten(0, 1)[place].view(B, T, x.shape[0], x.shape[-1])
 
     dq, dk = tokens(dq), tokens(dk)  # [B, T, HV, K]
