@@ -227,7 +227,8 @@ def _megatron_sft_row(hf, messages: list[dict], length: int) -> dict[str, torch.
     not _megatron_has_sft_tokenizer(),
     reason="Megatron-LM's SFTTokenizer has a prompt format for a Qwen chat template from core_v0.19 on",
 )
-def test_plain_pretrain_gpt_sft_with_megatron_sft_tokenizer(tmp_path):
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_plain_pretrain_gpt_sft_with_megatron_sft_tokenizer(kind, tmp_path):
     """Without the launcher: `twinkle-specs convert`, then the unmodified pretrain_gpt.py with `twinkle-specs
     args`' flags (our spec), --sft and Megatron-LM's own SFTTokenizer in its ``default`` prompt format (the
     checkpoint's chat template; Megatron then trains on every token: the answer-only mask is the launcher's).
@@ -243,7 +244,7 @@ def test_plain_pretrain_gpt_sft_with_megatron_sft_tokenizer(tmp_path):
 
     from twinkle_specs import megatron_args_from_hf
 
-    hf = make_checkpoint("qwen3", tmp_path / "qwen3", max_position_embeddings=ROW)
+    hf = make_checkpoint(kind, tmp_path / kind, max_position_embeddings=ROW)
     save_tokenizer(hf, "qwen3")
     line = [m for c in (_with_system(c) for c in conversations(3, seed=5)) for m in c]
     data = tmp_path / "chat.jsonl"
@@ -293,7 +294,7 @@ def test_plain_pretrain_gpt_sft_with_megatron_sft_tokenizer(tmp_path):
     flags += ["--no-gradient-accumulation-fusion"]
     losses, log = run_logged(
         [*torchrun(1), str(Path(ROOT) / "pretrain_gpt.py"), *flags],
-        "plain-pretrain-gpt-sft",
+        f"plain-pretrain-gpt-sft-{kind}",
         dict(os.environ),
     )
     assert sorted(losses) == [1, 2, 3, 4], log[-3000:]
@@ -311,7 +312,7 @@ def test_plain_pretrain_gpt_sft_with_megatron_sft_tokenizer(tmp_path):
             count += row["loss_mask"][a:e].sum().item()
     first = total / count
     stats = dict(megatron=losses, transformers_iter1=first, conversations=len(cu) - 1)
-    EVIDENCE.record("plain-pretrain-gpt-sft-full", **stats)
+    EVIDENCE.record(f"plain-pretrain-gpt-sft-full-{kind}", **stats)
     print(stats)
     assert abs(losses[1] - first) <= STEP_RTOL * first, stats
     assert losses[4] < losses[1], stats
