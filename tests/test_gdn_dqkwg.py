@@ -5,6 +5,7 @@ gradients against megatron-core's torch reference need fla's other kernels: test
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import types
 
@@ -194,17 +195,18 @@ def test_enable_registers_one_backend_for_the_gated_case(monkeypatch):
     assert not backend.chunk_bwd_dqkwg_verifier(x, x, x, x, x, x, None, g, torch.ones(1))[0]  # g_gamma
 
 
-@pytest.mark.parametrize("before", [False, True])
+@pytest.mark.parametrize("before", ["none", "ieee", "tf32"])
 def test_products_run_on_tf32_inside_and_the_process_setting_comes_back(before, monkeypatch):
     """fp32 products on TF32 tensor cores during the call only (the CPU ignores the flag): whatever the
     process had set is there again afterwards, also when the call raises."""
-    seen, process = [], torch.backends.cuda.matmul.allow_tf32
-    monkeypatch.setattr(gdn_dqkwg, "_dqkwg", lambda *a: seen.append(torch.backends.cuda.matmul.allow_tf32))
+    matmul = torch.backends.cuda.matmul
+    seen, process = [], matmul.fp32_precision
+    monkeypatch.setattr(gdn_dqkwg, "_dqkwg", lambda *a: seen.append(matmul.fp32_precision))
     x, g = torch.zeros(1, 64, 1, 8), torch.zeros(1, 64, 1)
-    torch.backends.cuda.matmul.allow_tf32 = before
+    matmul.fp32_precision = before
     try:
         gdn_dqkwg.chunk_bwd_dqkwg(x, x, x, x, x, x, g=g)
-        assert seen == [True] and torch.backends.cuda.matmul.allow_tf32 is before
+        assert seen == ["tf32"] and matmul.fp32_precision == before
 
         def fails(*_):
             raise RuntimeError("inside")
@@ -212,6 +214,24 @@ def test_products_run_on_tf32_inside_and_the_process_setting_comes_back(before, 
         monkeypatch.setattr(gdn_dqkwg, "_dqkwg", fails)
         with pytest.raises(RuntimeError, match="inside"):
             gdn_dqkwg.chunk_bwd_dqkwg(x, x, x, x, x, x, g=g)
-        assert torch.backends.cuda.matmul.allow_tf32 is before
+        assert matmul.fp32_precision == before
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = process
+        matmul.fp32_precision = process
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_process_on_the_legacy_tf32_flag_reads_it_back_unchanged(legacy):
+    """A training script that set ``torch.backends.cuda.matmul.allow_tf32`` (the legacy API) reads the same
+    value after a call, without torch's error for mixing the two APIs (in a process of its own: the
+    setting is process-wide)."""
+    code = (
+        "import torch\n"
+        "from twinkle_specs import gdn_dqkwg\n"
+        f"torch.backends.cuda.matmul.allow_tf32 = {legacy}\n"
+        "x, h, g = torch.zeros(1, 64, 1, 8), torch.zeros(1, 1, 1, 8, 8), torch.zeros(1, 64, 1)\n"
+        "gdn_dqkwg.chunk_bwd_dqkwg(x, x, x, x, h, h, w=x, g=g, dv=x)\n"
+        "print(torch.backends.cuda.matmul.allow_tf32)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == str(legacy), run.stdout

@@ -61,13 +61,16 @@ def chunk_bwd_dqkwg(
 def _tf32_matmuls():
     """fp32 matrix products on TF32 tensor cores while inside (on CUDA; the CPU ignores it), as fla's kernel
     runs its dots on tensor cores (with bf16 inputs, coarser than TF32) where full fp32 products run on the
-    CUDA cores, several times slower. The process's own setting comes back on the way out."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    CUDA cores, several times slower. The process's own setting comes back on the way out. torch's
+    ``fp32_precision`` API: the legacy ``allow_tf32`` raises once a process has set TF32 the new way, while
+    this one reads and restores either (checked in tests/test_gdn_dqkwg.py)."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+        matmul.fp32_precision = before
 
 
 def _dqkwg(q, k, v, do, h, dh, w, g, dv, scale, state_v_first, cu_seqlens, chunk_size, chunk_indices):
