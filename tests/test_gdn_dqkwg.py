@@ -201,19 +201,25 @@ def test_products_run_on_tf32_inside_and_the_process_setting_comes_back(before, 
     process had set is there again afterwards, also when the call raises."""
     matmul = torch.backends.cuda.matmul
     seen, process = [], matmul.fp32_precision
-    monkeypatch.setattr(gdn_dqkwg, "_dqkwg", lambda *a: seen.append(matmul.fp32_precision))
-    x, g = torch.zeros(1, 64, 1, 8), torch.zeros(1, 64, 1)
+    real = gdn_dqkwg._chunk_table  # the body's first step: what precision it runs under
+
+    def table(*args):
+        seen.append(matmul.fp32_precision)
+        return real(*args)
+
+    monkeypatch.setattr(gdn_dqkwg, "_chunk_table", table)
+    x, h, g = torch.zeros(1, 64, 1, 8), torch.zeros(1, 1, 1, 8, 8), torch.zeros(1, 64, 1)
     matmul.fp32_precision = before
     try:
-        gdn_dqkwg.chunk_bwd_dqkwg(x, x, x, x, x, x, g=g)
+        gdn_dqkwg.chunk_bwd_dqkwg(x, x, x, x, h, h, w=x, g=g, dv=x)
         assert seen == ["tf32"] and matmul.fp32_precision == before
 
         def fails(*_):
             raise RuntimeError("inside")
 
-        monkeypatch.setattr(gdn_dqkwg, "_dqkwg", fails)
+        monkeypatch.setattr(gdn_dqkwg, "_chunk_table", fails)
         with pytest.raises(RuntimeError, match="inside"):
-            gdn_dqkwg.chunk_bwd_dqkwg(x, x, x, x, x, x, g=g)
+            gdn_dqkwg.chunk_bwd_dqkwg(x, x, x, x, h, h, w=x, g=g, dv=x)
         assert matmul.fp32_precision == before
     finally:
         matmul.fp32_precision = process

@@ -12,6 +12,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -235,10 +238,6 @@ def test_plain_pretrain_gpt_sft_with_megatron_sft_tokenizer(kind, tmp_path):
     Every JSONL line is the same row of three conversations, so each micro-batch is that row whatever order
     Megatron draws: iteration 1's loss (full fine-tune, bf16) equals transformers' fp32 loss on the row's
     conversations run one by one with the row's labels and mask; and the loss falls."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from test_launch_gpu import LOSS_RTOL as STEP_RTOL
     from test_launch_gpu import ROOT, hf_model, run_logged
 

@@ -101,6 +101,7 @@ def _warn_once(message: str) -> None:
     logging.getLogger(__name__).warning(message)
 
 
+@functools.cache  # a failed import is retried on every call otherwise (tens of µs per layer and forward)
 def _causal_conv1d():
     try:
         from causal_conv1d import causal_conv1d_fn

@@ -22,6 +22,23 @@ import inspect
 import torch
 
 
+@contextlib.contextmanager
+def _tf32_matmuls():
+    """fp32 matrix products on TF32 tensor cores while inside (on CUDA; the CPU ignores it), as fla's kernel
+    runs its dots on tensor cores (with bf16 inputs, coarser than TF32) where full fp32 products run on the
+    CUDA cores, several times slower. The process's own setting comes back on the way out. torch's
+    ``fp32_precision`` API: the legacy ``allow_tf32`` raises once a process has set TF32 the new way, while
+    this one reads and restores either (checked in tests/test_gdn_dqkwg.py)."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before
+
+
+@_tf32_matmuls()
 def chunk_bwd_dqkwg(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -51,29 +68,6 @@ def chunk_bwd_dqkwg(
     """
     if why := unsupported(g, g_gamma):
         raise NotImplementedError(why)
-    with _tf32_matmuls():
-        return _dqkwg(
-            q, k, v, do, h, dh, w, g, dv, scale, state_v_first, cu_seqlens, chunk_size, chunk_indices
-        )
-
-
-@contextlib.contextmanager
-def _tf32_matmuls():
-    """fp32 matrix products on TF32 tensor cores while inside (on CUDA; the CPU ignores it), as fla's kernel
-    runs its dots on tensor cores (with bf16 inputs, coarser than TF32) where full fp32 products run on the
-    CUDA cores, several times slower. The process's own setting comes back on the way out. torch's
-    ``fp32_precision`` API: the legacy ``allow_tf32`` raises once a process has set TF32 the new way, while
-    this one reads and restores either (checked in tests/test_gdn_dqkwg.py)."""
-    matmul = torch.backends.cuda.matmul
-    before = matmul.fp32_precision
-    matmul.fp32_precision = "tf32"
-    try:
-        yield
-    finally:
-        matmul.fp32_precision = before
-
-
-def _dqkwg(q, k, v, do, h, dh, w, g, dv, scale, state_v_first, cu_seqlens, chunk_size, chunk_indices):
     B, T, H, K = k.shape
     HV, BT = v.shape[2], chunk_size
     scale = K**-0.5 if scale is None else scale
