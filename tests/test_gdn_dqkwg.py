@@ -79,6 +79,8 @@ def test_batched_dqkwg_equals_the_kernel_chunk_by_chunk(T, state_v_first, dtype)
     want = kernel_transcription(**args, BT=BT)
     assert [t.dtype for t in got] == [dtype, dtype, dtype, torch.float32]
     assert [t.shape for t in got] == [q.shape, k.shape, w.shape, g.shape]
+    # fla's kernels read the results by pointer, as contiguous tensors (a strided view was wrong on the GPU)
+    assert all(t.is_contiguous() for t in got), [t.stride() for t in got]
     # fp32: the same sums in another order; bf16: the outputs' own rounding (one bf16 ulp, 2^-8 relative)
     rtol = 1e-5 if dtype == torch.float32 else 8e-3
     for name, a, b in zip(("dq", "dk", "dw", "dg"), got, want, strict=True):

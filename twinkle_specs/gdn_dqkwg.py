@@ -122,9 +122,9 @@ def chunk_bwd_dqkwg(
         place = chunk * BT + token - start[chunk]
 
     def tokens(x: torch.Tensor) -> torch.Tensor:
-        """[heads, NC, BT, d] -> [B, T, heads, d]"""
+        """[heads, NC, BT, d] -> [B, T, heads, d], contiguous: fla's kernels read the results by pointer"""
         if aligned:
-            return x.movedim(0, 2).reshape(B, T, x.shape[0], x.shape[-1])
+            return x.movedim(0, 2).reshape(B, T, x.shape[0], x.shape[-1]).contiguous()
         return x.movedim(0, 2).flatten(0, 1)[place].view(B, T, x.shape[0], x.shape[-1])
 
     dq, dk = tokens(dq), tokens(dk)  # [B, T, HV, K]
