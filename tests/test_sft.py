@@ -191,6 +191,22 @@ def test_gated_deltanet_layers_of_a_micro_batch_share_one_packed_row():
     assert key not in PackedRow._rows
 
 
+def test_packed_rows_under_te_cuda_graphs_are_refused_with_what_to_do(chat_checkpoint, megatron_single):
+    """Plain pretrain_gpt.py (no launcher to refuse the flags): a packed micro-batch reaching a layer's TE
+    CUDA graph replay gets a message naming the flags; Megatron's other replay asserts stay its own."""
+    from twinkle_specs.spec import QwenTransformerLayer
+
+    layer = ts.build_model(chat_checkpoint("qwen3")).decoder.layers[0]
+    assert isinstance(layer, QwenTransformerLayer)
+    hidden = torch.zeros(12, 1, layer.config.hidden_size)
+    with pytest.raises(
+        RuntimeError, match=r"--sft\) under Transformer Engine CUDA graphs .* Drop --cuda-graph-impl"
+    ):
+        layer._te_cuda_graph_replay(hidden, packed_seq_params=_packed_params(torch.tensor([0, 5, 12])))
+    with pytest.raises(AssertionError, match="CUDA graph accepts only Tensor inputs"):
+        layer._te_cuda_graph_replay(hidden, inference_context=object())
+
+
 def test_fused_qk_rope_steps_aside_for_packed_sequences():
     """The fused q/k norm + RoPE kernel rotates by the row's position; packed rows restart RoPE per
     sequence (megatron's own path), so a forward given packed_seq_params never takes it."""

@@ -151,6 +151,13 @@ def qwen_layer_submodules(config: TransformerConfig, layer_index: int = 0) -> Tr
     return submodules
 
 
+PACKED_ROWS_UNDER_TE_GRAPHS = (
+    "packed sequences (--sft) under Transformer Engine CUDA graphs (--cuda-graph-impl transformer_engine): "
+    "the graphs are captured for one plain row and Megatron-LM's replay takes no packed_seq_params. Drop "
+    "--cuda-graph-impl for --sft runs (the twinkle_specs launcher refuses the pair before starting)"
+)
+
+
 class QwenTransformerLayer(TransformerLayer):
     """A megatron-core TransformerLayer whose submodules come from its config (see module docstring)."""
 
@@ -165,6 +172,16 @@ class QwenTransformerLayer(TransformerLayer):
         if submodules is None:
             submodules = qwen_layer_submodules(config, _global_layer_index(config, layer_number, kwargs))
         super().__init__(config, submodules, layer_number, *args, **kwargs)
+
+    def _te_cuda_graph_replay(self, *args: Any, **kwargs: Any) -> Any:
+        """Megatron's TE CUDA graph replay; a packed micro-batch (``--sft``), which its replay takes only
+        where the attention runs outside the graphs, is refused with what to do instead of its bare assert."""
+        try:
+            return super()._te_cuda_graph_replay(*args, **kwargs)
+        except AssertionError as err:
+            if kwargs.get("packed_seq_params") is None:
+                raise
+            raise RuntimeError(PACKED_ROWS_UNDER_TE_GRAPHS) from err
 
     def _get_te_cuda_graph_replay_args(self, *args: Any, **kwargs: Any) -> tuple[tuple, dict]:
         """Megatron's replay arguments for this layer's TE CUDA graph, where a LoRA model's frozen base
