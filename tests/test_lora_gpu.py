@@ -531,3 +531,102 @@ def test_te_fp8_frozen_base_is_quantized_once(lora_checkpoints, gpu, monkeypatch
     assert cached[-1] < cached[0], cached  # the adapters trained
     for a, b in zip(cached, requantized, strict=True):
         assert abs(a - b) <= 1e-3 * abs(b), (cached, requantized)
+
+
+def test_te_fp8_known_amax_cast_is_te_current_scaling(gpu):
+    """fp8_amax's cast (TE's scale computed from the SwiGLU kernel's partial maxima, TE's cast with a given
+    scale) against TE's own current-scaling quantizer on the same tensor: the FP8 bytes and the inverse
+    scale bit for bit, E4M3 and E5M2, with and without power-of-two scales and an amax epsilon."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+    from twinkle_specs.lora import fp8_amax
+
+    ok, why = FP8GlobalStateManager.is_fp8_available()
+    if not ok:
+        pytest.skip(f"no FP8 on this GPU: {why}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pre = torch.randn(512, 2 * 1536, device="cuda", generator=g).mul(2).to(torch.bfloat16)
+    h = torch.randn(512, 16, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(2 * 1536, 16, device="cuda", generator=g).mul(0.1).to(torch.bfloat16)
+    out, partials = swiglu._triton_forward(pre, h, b, amax=True)
+    compared = 0
+    for fp8_dtype in (tex.DType.kFloat8E4M3, tex.DType.kFloat8E5M2):
+        for pow2, eps in ((False, 0.0), (True, 0.0), (False, 1e3)):  # 1e3: the epsilon floor decides
+            te = Float8CurrentScalingQuantizer(
+                fp8_dtype,
+                out.device,
+                rowwise=True,
+                columnwise=False,
+                force_pow_2_scales=pow2,
+                amax_epsilon=eps,
+            )
+            want = te(out)
+            got = fp8_amax.KnownAmaxCast(te)(out, partials)
+            assert torch.equal(got._scale_inv, want._scale_inv), (fp8_dtype, pow2, eps)
+            assert torch.equal(got._data, want._data), (fp8_dtype, pow2, eps)
+            compared += 1
+    assert compared == 6
+
+
+def test_te_fp8_lora_swiglu_amax_trains_as_te_current_scaling(lora_checkpoints, gpu, monkeypatch):
+    """``TWINKLE_FP8_SWIGLU_AMAX=1`` under FP8 current scaling (``--fp8-recipe tensorwise``): every dense
+    MLP hands fc2's base SwiGLU's output and fc1's base its output gradient as FP8 tensors cast with the
+    kernels' amax (counted: the gradient from the first iteration on, fc2's input from the second, once
+    fc2 has set up its quantizers), and 3 training iterations' losses and adapter gradients equal those of
+    TE taking every amax itself (1e-3 relative: the two runs' own nondeterminism; the casts are the same)."""
+    from test_lora_support import randomize_megatron, tokens
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+    import twinkle_specs as ts
+    from twinkle_specs import LoraConfig
+    from twinkle_specs.lora import adapter_parameters, fp8_amax
+
+    ok, why = FP8GlobalStateManager.is_fp8_available()
+    if not ok:
+        pytest.skip(f"no FP8 on this GPU: {why}")
+    casts: list[int] = []
+    real = fp8_amax.KnownAmaxCast.__call__
+    monkeypatch.setattr(
+        fp8_amax.KnownAmaxCast, "__call__", lambda self, *a: casts.append(1) or real(self, *a)
+    )
+
+    def train(iterations: int = 3) -> tuple[list[float], list[torch.Tensor], list[int], int]:
+        model = ts.build_model(
+            lora_checkpoints("qwen3"),
+            lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+            params_dtype=torch.bfloat16,
+            bf16=True,
+            bias_activation_fusion=True,
+            fp8="hybrid",
+            fp8_recipe="tensorwise",
+        )
+        randomize_megatron(model)
+        opt = torch.optim.SGD(adapter_parameters(model), lr=0.1)
+        toks = tokens(s=64).cuda()
+        pos = torch.arange(64, device="cuda").expand_as(toks)
+        losses, grads, counts = [], [], []
+        for _ in range(iterations):
+            casts.clear()
+            model.set_is_first_microbatch()
+            loss = _next_token_loss(model, toks, pos)
+            loss.backward()
+            losses.append(loss.item())
+            grads.append(torch.cat([p.grad.float().flatten() for p in adapter_parameters(model)]))
+            counts.append(len(casts))
+            opt.step()
+            opt.zero_grad()
+        return losses, grads, counts, model.config.num_layers
+
+    monkeypatch.delenv(fp8_amax.ENV, raising=False)
+    te_losses, te_grads, te_counts, layers = train()
+    monkeypatch.setenv(fp8_amax.ENV, "1")
+    losses, grads, counts, _ = train()
+    EVIDENCE.record("fp8_swiglu_amax", losses=losses, te_losses=te_losses, casts=counts)
+    assert te_counts == [0, 0, 0] and counts == [layers, 2 * layers, 2 * layers], (te_counts, counts)
+    assert losses[-1] < losses[0], losses  # the adapters trained
+    for ours, theirs in zip(losses, te_losses, strict=True):
+        assert abs(ours - theirs) <= 1e-3 * abs(theirs), (losses, te_losses)
+    for ours, theirs in zip(grads, te_grads, strict=True):
+        assert (ours - theirs).abs().max() <= 1e-3 * theirs.abs().max(), (ours - theirs).abs().max()

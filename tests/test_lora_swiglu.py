@@ -12,7 +12,8 @@ Tolerances, max |Δ| relative to the largest value compared (output and every gr
   measured <= 8.0e-4); bf16 4e-2: the Triton 3.6
   interpreter truncates fp32 -> bf16 casts where the GPU rounds to nearest, so every rounding may be
   one bf16 ulp off (measured <= 1.8e-2). An indexing, masking or formula error shows as O(1).
-The no-grad entry is compared bit for bit with the autograd forward.
+The no-grad entry is compared bit for bit with the autograd forward, and the kernels' amax (FP8 current
+scaling) exactly with the largest magnitude of what they wrote.
 """
 
 from __future__ import annotations
@@ -206,6 +207,28 @@ def _kernel_errors(device: str, cases: tuple, s2: float) -> dict[str, float]:
     return errors
 
 
+def _amax_errors(device: str, cases: tuple, s2: float) -> dict[str, float]:
+    """With their amax on (FP8 current scaling, :mod:`twinkle_specs.lora.fp8_amax`), the kernels' largest
+    partial against the largest |value| of what they wrote: SwiGLU's output, and its gradient with and
+    without fc2's deferred A GEMM; the output and gradient themselves against the kernels without amax.
+    Every entry should be 0 (the same rounded values)."""
+    errors: dict[str, float] = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        for lead, ffn, rank, rank2, halves in cases:
+            pre, h, b, dout = (t.to(device) for t in _inputs(lead, ffn, rank, dtype, seed=2, halves=halves))
+            a2, dh2 = (t.to(device) for t in _fc2_inputs([pre, h, b, dout], rank2))
+            key = f"{str(dtype)[6:]}/{lead}/{ffn}/{rank}/{halves}"
+            out, partials = S._triton_forward(pre, h, b, amax=True)
+            errors[f"amax/fwd/{key}"] = (partials.max() - out.float().abs().max()).abs().item()
+            errors[f"amax/fwd-out/{key}"] = float(not torch.equal(out, S._triton_forward(pre, h, b)[0]))
+            for fc2, extra in (("no-fc2", (None, None)), ("fc2", (dh2, a2))):
+                dy, *_, partials = S._triton_backward(dout, pre, h, b, *extra, s2, amax=True)
+                plain = S._triton_backward(dout, pre, h, b, *extra, s2)[0]
+                errors[f"amax/bwd/{fc2}/{key}"] = (partials.max() - dy.float().abs().max()).abs().item()
+                errors[f"amax/bwd-dy/{fc2}/{key}"] = float(not torch.equal(dy, plain))
+    return errors
+
+
 # several tiles with ragged edges (T 70 > the token blocks, F 200 > the F blocks), R below/at/above 16,
 # fused B and halves
 INTERPRETED = (((70,), 200, 5, 4, False), ((7, 3), 130, 48, 16, False), ((5,), 16, 16, 3, False))
@@ -217,8 +240,9 @@ def test_triton_kernels_under_interpreter():
     errors = interpreted(__file__)
     # per dtype and case: forward twice and backward twice (without and with fc2), forward for no-grad
     assert errors.pop("launches") == [2 * len(INTERPRETED) * 3, 2 * len(INTERPRETED) * 2], errors
+    assert sum(key.startswith("amax/") for key in errors) == 2 * len(INTERPRETED) * 6, errors
     for key, err in errors.items():
-        tol = 0.0 if key.startswith("nograd") else INTERP_TOL[key.split("/")[0]]
+        tol = 0.0 if key.startswith(("nograd", "amax/")) else INTERP_TOL[key.split("/")[0]]
         assert err <= tol, (key, err, tol)
 
 
@@ -231,12 +255,16 @@ def test_triton_kernels_on_cuda_match_the_reference():
     the products are summed in another order, which can move a value across a rounding boundary); the
     no-grad entry is the autograd forward bit for bit."""
     cases = (((300,), 12288, 32, 16, False), ((300,), 12288, 16, 16, True), ((7, 3), 200, 5, 4, True))
-    errors = _kernel_errors("cuda", cases, 2.0)
+    errors = _kernel_errors("cuda", cases, 2.0) | _amax_errors("cuda", cases, 2.0)
     errors.pop("launches")
     for key, err in errors.items():
-        tol = 0.0 if key.startswith("nograd") else {"float16": 2e-3, "bfloat16": 1.6e-2}[key.split("/")[0]]
+        tol = (
+            0.0
+            if key.startswith(("nograd", "amax/"))
+            else {"float16": 2e-3, "bfloat16": 1.6e-2}[key.split("/")[0]]
+        )
         assert err <= tol, (key, err, tol)
 
 
 if __name__ == "__main__":
-    print(json.dumps(_kernel_errors("cpu", INTERPRETED, 0.7)))
+    print(json.dumps(_kernel_errors("cpu", INTERPRETED, 0.7) | _amax_errors("cpu", INTERPRETED, 0.7)))

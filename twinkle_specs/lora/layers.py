@@ -718,12 +718,14 @@ class LoraLinearMixin(LoraLayerMixin):
         *args: Any,
         lora_link: GradLink | None = None,
         lora_a: torch.Tensor | None = None,
+        lora_base_input: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple:
         """The base's ``(out, bias)`` and the adapter's ``h`` (:meth:`lora_hidden`), not yet added: for a
         consumer that applies ``h @ Bᵀ`` itself (:class:`~twinkle_specs.lora.mlp.LoraMLP`). A caller
         that takes over this linear's input gradient passes its deferred ``lora_link`` and the
-        ``lora_a`` it uses."""
+        ``lora_a`` it uses, and may give the base the same input in another form (``lora_base_input``:
+        TE's FP8 tensor of it, :mod:`~twinkle_specs.lora.fp8_amax`)."""
         recipe = self.lora_input_recipe.take(input_) if self.lora_input_recipe else None
         link, x = lora_link, input_
         if link is None and self.lora_links_grad(input_):
@@ -731,7 +733,9 @@ class LoraLinearMixin(LoraLayerMixin):
             # dgrad in place (functions.IntoBaseGrad), not summed by autograd.
             link = GradLink()
             x = IntoBaseGrad.apply(input_, link)
-        out, bias = super().forward(x, *args, **kwargs)
+        if lora_base_input is not None and lora_link is None:
+            raise ValueError("lora_base_input needs the caller's lora_link: the base's input gradient is its")
+        out, bias = super().forward(x if lora_base_input is None else lora_base_input, *args, **kwargs)
         return out, bias, self.lora_hidden(x, recipe, link, lora_a)
 
     def lora_links_grad(self, input_: torch.Tensor) -> bool:

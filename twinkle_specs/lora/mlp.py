@@ -25,6 +25,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from .config import SITE_SLOTS
+from .fp8_amax import swiglu_fp8
 from .functions import GradLink
 from .layers import LoraLayerMixin
 from .model import swiglu_fn
@@ -53,18 +54,32 @@ class LoraMLP(MLP):
         pre, _, h = fc1.lora_base_and_hidden(hidden_states)  # no bias: plain SwiGLU needs none
         b = _fc1_b(fc1)
         adapted = isinstance(fc2, LoraLayerMixin) and fc2.lora_active()
-        if adapted and fc2.lora_links_grad(pre):
+        linked = adapted and fc2.lora_links_grad(pre)
+        # FP8 current scaling: the kernels take the amaxes of fc2's base input and fc1's output gradient
+        fp8 = swiglu_fp8(fc1, fc2 if linked or not adapted else None)
+        if linked:
             # fc2's A gradient and its input-gradient share are computed in SwiGLU's backward kernel
             link, a2 = GradLink(deferred=True), fc2.lora_param("A")
-            act = swiglu_lora(pre, h, b, a2, link)
-            out, bias, h2 = fc2.lora_base_and_hidden(act, lora_link=link, lora_a=a2)
+            act = swiglu_lora(pre, h, b, a2, link, fp8)
+            out, bias, h2 = fc2.lora_base_and_hidden(
+                act, lora_link=link, lora_a=a2, lora_base_input=_fp8_input(act, fp8)
+            )
             return fc2._lora_add(out, h2), bias
-        act = swiglu_lora(pre, h, b)
+        act = swiglu_lora(pre, h, b, fp8=fp8)
         if adapted and fc2.lora_input_recipe:
             # fc2's adapter recomputes its input with the very function that made it
             fn = functools.partial(swiglu_lora_forward, h=h.detach(), b=b.detach())
             fc2.lora_input_recipe.hand(pre, fn)
-        return fc2(act)
+        quantized = None if adapted else _fp8_input(act, fp8)
+        return fc2(act if quantized is None else quantized)
+
+
+def _fp8_input(act: torch.Tensor, fp8) -> torch.Tensor | None:
+    """SwiGLU's output as fc2's base takes it under FP8 with the amax the kernel took, else None."""
+    if fp8 is None or fp8.input_amax is None:
+        return None
+    amax, fp8.input_amax = fp8.input_amax, None
+    return fp8.input(act, amax)
 
 
 def _fc1_b(fc1: LoraLayerMixin) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:  # no runtime import: tests load this file on its own, without its package
+    from .fp8_amax import SwigluFp8
     from .functions import GradLink
 
 try:
@@ -117,9 +118,12 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(
-        pre_ptr, h_ptr, b_ptr, out_ptr, T, F, R, s_pre, s_h, s_b, s_out,
+        pre_ptr, h_ptr, b_ptr, out_ptr, amax_ptr, T, F, R, s_pre, s_h, s_b, s_out,
         BT: tl.constexpr, BF: tl.constexpr, BR: tl.constexpr, HALVES: tl.constexpr, DOT_F32: tl.constexpr,
+        AMAX: tl.constexpr,
     ):  # fmt: skip
+        """With AMAX, each program also stores the largest |output| of its tile (as rounded) into
+        ``amax_ptr`` [programs]: the amax FP8 current scaling takes of this tensor, without another pass."""
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         f = tl.program_id(1) * BF + tl.arange(0, BF)
         r = tl.arange(0, BR)
@@ -132,21 +136,25 @@ if triton is not None:
         m = tm[:, None] & fm[None, :]
         dtype = out_ptr.dtype.element_ty
         y1, y2 = _preact(pre_ptr + rows * s_pre + f[None, :], m, hg, hu, bg, bu, F, dtype, DOT_F32)
-        out = y1 * tl.sigmoid(y1) * y2
-        tl.store(out_ptr + rows * s_out + f[None, :], out.to(dtype), mask=m)
+        out = (y1 * tl.sigmoid(y1) * y2).to(dtype)
+        tl.store(out_ptr + rows * s_out + f[None, :], out, mask=m)
+        if AMAX:  # masked entries are 0 (their loads are)
+            program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            tl.store(amax_ptr + program, tl.max(tl.max(tl.abs(out.to(tl.float32)), 1), 0))
 
     @triton.jit
     def _bwd_kernel(
-        pre_ptr, h_ptr, b_ptr, dout_ptr, dh2_ptr, a2_ptr, dy_ptr, db_ptr, da2_ptr,
+        pre_ptr, h_ptr, b_ptr, dout_ptr, dh2_ptr, a2_ptr, dy_ptr, db_ptr, da2_ptr, amax_ptr,
         T, F, R, R2, s_pre, s_h, s_b, s_dout, s_dh2, s_a2, s_dy, S2, TCH: tl.constexpr,
         BT: tl.constexpr, BF: tl.constexpr, BR: tl.constexpr, BR2: tl.constexpr,
-        HALVES: tl.constexpr, HAS_FC2: tl.constexpr, DOT_F32: tl.constexpr,
+        HALVES: tl.constexpr, HAS_FC2: tl.constexpr, DOT_F32: tl.constexpr, AMAX: tl.constexpr,
     ):  # fmt: skip
         """Program (F block, token chunk): SwiGLU's gradient ``dy`` over the chunk, and the chunk's
         partial sums of ``dy.T @ h`` (into ``db`` [chunks, 2F, BR]) and ``S2 * dh2.T @ act`` (into
         ``da2`` [chunks, BR2, F]), all in registers until the end. The chunk length ``TCH`` is a compile-time
         constant (one compilation per token count, which is fixed in training): the Triton 3.6
-        interpreter runs no loop with a bound given at run time."""
+        interpreter runs no loop with a bound given at run time. With AMAX, the largest |dy| of the
+        program's tiles (as rounded) goes to ``amax_ptr`` [chunks * F blocks], as in the forward."""
         f = tl.program_id(0) * BF + tl.arange(0, BF)
         chunk = tl.program_id(1)
         r = tl.arange(0, BR)
@@ -166,6 +174,8 @@ if triton is not None:
             a2s = (a2.to(tl.float32) * S2).to(a2.dtype)
             acc_a2 = tl.zeros([BR2, BF], dtype=tl.float32)
         dtype = dy_ptr.dtype.element_ty
+        if AMAX:
+            acc_mx = tl.zeros([BT, BF], dtype=tl.float32)
         start = chunk * TCH
         for t0 in range(0, TCH, BT):
             t = start + t0 + tl.arange(0, BT)
@@ -187,8 +197,14 @@ if triton is not None:
             p = dy_ptr + rows * s_dy + f[None, :]
             tl.store(p, dyg, mask=m)
             tl.store(p + F, dyu, mask=m)
+            if AMAX:  # masked entries are 0 (their gradient loads are)
+                acc_mx = tl.maximum(
+                    acc_mx, tl.maximum(tl.abs(dyg.to(tl.float32)), tl.abs(dyu.to(tl.float32)))
+                )
             acc_bg += _dot(tl.trans(dyg), hg, DOT_F32)
             acc_bu += _dot(tl.trans(dyu), hu, DOT_F32)
+        if AMAX:
+            tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + chunk, tl.max(tl.max(acc_mx, 1), 0))
         part = db_ptr + chunk.to(tl.int64) * 2 * F * BR
         dbm = fm[:, None] & (r < BR)[None, :]
         tl.store(part + f[:, None] * BR + r[None, :], acc_bg, mask=dbm)
@@ -219,22 +235,30 @@ def _rank_block(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
-def _triton_forward(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _triton_forward(
+    pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor, amax: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output and, with ``amax``, its tiles' largest magnitudes (fp32, one per program)."""
     pre2, h2 = _flat(pre), _flat(h)
     (T, f2), R = pre2.shape, b.shape[1]
     out = pre.new_empty(T, f2 // 2)
     bt, bf, warps = FWD_BLOCKS
-    _fwd_kernel[(triton.cdiv(T, bt), triton.cdiv(f2 // 2, bf))](
-        pre2, h2, b, out, T, f2 // 2, R, pre2.stride(0), h2.stride(0), b.stride(0), out.stride(0),
-        BT=bt, BF=bf, BR=_rank_block(R), HALVES=_halves(h, b), DOT_F32=not pre.is_cuda, num_warps=warps,
+    grid = (triton.cdiv(T, bt), triton.cdiv(f2 // 2, bf))
+    partials = torch.empty(grid[0] * grid[1], device=pre.device, dtype=torch.float32) if amax else None
+    _fwd_kernel[grid](
+        pre2, h2, b, out, out if partials is None else partials, T, f2 // 2, R,
+        pre2.stride(0), h2.stride(0), b.stride(0), out.stride(0),
+        BT=bt, BF=bf, BR=_rank_block(R), HALVES=_halves(h, b), DOT_F32=not pre.is_cuda, AMAX=amax,
+        num_warps=warps,
     )  # fmt: skip
-    return out.view(*pre.shape[:-1], -1)
+    return out.view(*pre.shape[:-1], -1), partials
 
 
-def _triton_backward(dout, pre, h, b, dh2, a2, s2: float = 1.0) -> tuple:
-    """``(dy [T, 2F], b's gradient, a2's gradient or None)``: SwiGLU's gradient for fc1's output
-    (fc2's deferred input gradient ``s2 * dh2 @ a2`` included) and the two factor gradients, in one
-    kernel plus a sum over the token chunks' partial factor gradients."""
+def _triton_backward(dout, pre, h, b, dh2, a2, s2: float = 1.0, amax: bool = False) -> tuple:
+    """``(dy [T, 2F], b's gradient, a2's gradient or None, dy's partial amaxes or None)``: SwiGLU's
+    gradient for fc1's output (fc2's deferred input gradient ``s2 * dh2 @ a2`` included) and the two
+    factor gradients, in one kernel plus a sum over the token chunks' partial factor gradients; with
+    ``amax``, the largest |dy| of each program (fp32)."""
     pre2, h2, g2 = _flat(pre), _flat(h), _flat(dout.contiguous())
     (T, f2), R = pre2.shape, b.shape[1]
     ffn = f2 // 2
@@ -252,19 +276,21 @@ def _triton_backward(dout, pre, h, b, dh2, a2, s2: float = 1.0) -> tuple:
     dy = torch.empty_like(pre2, memory_format=torch.contiguous_format)
     db = torch.empty(chunks, f2, br, device=pre.device, dtype=torch.float32)
     da2 = torch.empty(chunks, br2, ffn, device=pre.device, dtype=torch.float32) if fc2 else db
+    partials = torch.empty(blocks * chunks, device=pre.device, dtype=torch.float32) if amax else None
     _bwd_kernel[(blocks, chunks)](
-        pre2, h2, b, g2, d2, a, dy, db, da2, T, ffn, R, a.shape[0] if fc2 else 0,
+        pre2, h2, b, g2, d2, a, dy, db, da2, db if partials is None else partials, T, ffn, R, a.shape[0] if fc2 else 0,
         pre2.stride(0), h2.stride(0), b.stride(0), g2.stride(0), d2.stride(0), a.stride(0), dy.stride(0),
         float(s2), TCH=tch, BT=bt, BF=bf, BR=br, BR2=br2, HALVES=_halves(h, b), HAS_FC2=fc2, DOT_F32=not pre.is_cuda,
-        num_warps=warps, num_stages=stages,
+        AMAX=amax, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     d_b = db.sum(0)[:, :R].to(b.dtype)
     d_a2 = da2.sum(0)[: a2.shape[0]].to(a2.dtype) if fc2 else None
-    return dy, d_b, d_a2
+    return dy, d_b, d_a2, partials
 
 
-def _reference_backward(dout, pre, h, b, dh2, a2, s2: float = 1.0) -> tuple:
-    """The same as :func:`_triton_backward` with torch ops (materialising the sums)."""
+def _reference_backward(dout, pre, h, b, dh2, a2, s2: float = 1.0, amax: bool = False) -> tuple:
+    """The same as :func:`_triton_backward` with torch ops (materialising the sums; ``amax``: dy's
+    largest magnitude as the one partial)."""
     y = _preact_ref(pre, h, b)
     g = _flat(dout)
     d_a2 = None
@@ -277,7 +303,7 @@ def _reference_backward(dout, pre, h, b, dh2, a2, s2: float = 1.0) -> tuple:
     if _halves(h, b):  # the gradient of the blocks of _block_b that are b's
         f, r = b.shape[0] // 2, b.shape[1]
         d_b = torch.cat([d_b[:f, :r], d_b[f:, r:]])
-    return dy, d_b, d_a2
+    return dy, d_b, d_a2, dy.abs().amax().float().view(1) if amax else None
 
 
 def _h_grad(dy: torch.Tensor, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -309,22 +335,35 @@ def swiglu_lora_forward(pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> 
     """``swiglu(pre + h @ b.T)`` without autograd: bit-identical to :func:`swiglu_lora`'s output (same
     kernel, no atomics), for recomputing that output in a backward."""
     _check(pre, h, b)
+    return _forward(pre, h, b)[0]
+
+
+def _forward(
+    pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor, amax: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     with torch.no_grad():
         if _use_triton(pre, h, b):
-            return _triton_forward(pre, h, b)
-        return _swiglu_ref(_preact_ref(pre, h, b)).view(*pre.shape[:-1], -1)
+            return _triton_forward(pre, h, b, amax)
+        out = _swiglu_ref(_preact_ref(pre, h, b)).view(*pre.shape[:-1], -1)
+        return out, out.abs().amax().float().view(1) if amax else None
 
 
 class SwigluLora(torch.autograd.Function):
     """``swiglu(pre + h @ b.T)``; saves the inputs (not the [T, 2F] sum) and recomputes the sum. With
     ``a2`` and a deferred ``link`` from fc2's A GEMM (scaling ``s2``), its backward also adds fc2's
-    adapter input gradient ``s2 * dh2 @ a2`` and returns ``a2``'s gradient ``s2 * dh2.T @ out``."""
+    adapter input gradient ``s2 * dh2 @ a2`` and returns ``a2``'s gradient ``s2 * dh2.T @ out``. With
+    ``fp8`` (:class:`~twinkle_specs.lora.fp8_amax.SwigluFp8`) the kernels also take the amax of the
+    output (left in ``fp8.input_amax``) and of the gradient, which then goes to fc1 as TE's FP8 tensor."""
 
     @staticmethod
-    def forward(ctx, pre, h, b, a2, link):
+    def forward(ctx, pre, h, b, a2, link, fp8):
+        _check(pre, h, b)
         ctx.save_for_backward(pre, h, b, a2)
-        ctx.link = link
-        return swiglu_lora_forward(pre, h, b)
+        ctx.link, ctx.fp8 = link, fp8
+        out, amax = _forward(pre, h, b, amax=fp8 is not None and fp8.input is not None)
+        if amax is not None:
+            fp8.input_amax = amax
+        return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -333,13 +372,18 @@ class SwigluLora(torch.autograd.Function):
         if link is not None:
             dh2, s2, link.dh, link.a = link.dh, link.scale, None, None
         backward = _triton_backward if _use_triton(pre, h, b, dh2, a2) else _reference_backward
-        dy, d_b, d_a2 = backward(dout, pre, h, b, dh2, a2 if dh2 is not None else None, s2)
-        need = ctx.needs_input_grad
+        need, cast = ctx.needs_input_grad, ctx.fp8.grad if ctx.fp8 is not None else None
+        amax = need[0] and cast is not None
+        dy, d_b, d_a2, partials = backward(dout, pre, h, b, dh2, a2 if dh2 is not None else None, s2, amax)
+        d_pre = None
+        if need[0]:
+            d_pre = cast(dy.view(pre.shape), partials) if amax else dy.view(pre.shape)
         return (
-            dy.view(pre.shape) if need[0] else None,
+            d_pre,
             _h_grad(dy, b, h).view(h.shape) if need[1] else None,
             d_b if need[2] else None,
             d_a2 if need[3] else None,
+            None,
             None,
         )
 
@@ -350,8 +394,10 @@ def swiglu_lora(
     b: torch.Tensor,
     a2: torch.Tensor | None = None,
     link: GradLink | None = None,
+    fp8: SwigluFp8 | None = None,
 ) -> torch.Tensor:
     """``swiglu(pre + h @ b.T)`` for pre [..., 2F] (gate | up), h [..., R] or [..., 2R] (halves, see the
     module docstring), b [2F, R], one dtype; ``a2``
-    [R2, F] and ``link``: fc2's A and the deferred link of its A GEMM (see the module docstring)."""
-    return SwigluLora.apply(pre, h, b, a2, link)
+    [R2, F] and ``link``: fc2's A and the deferred link of its A GEMM (see the module docstring); ``fp8``:
+    the FP8 casts whose amax the kernels take (see :class:`SwigluLora`)."""
+    return SwigluLora.apply(pre, h, b, a2, link, fp8)

@@ -1,0 +1,95 @@
+"""twinkle_specs.lora.fp8_amax: FP8 current scaling from the amax the SwiGLU kernels take.
+
+On CPU: the scale kernel under the Triton interpreter against a transcription of Transformer Engine's
+``compute_scale_from_amax`` (transformer_engine/common/recipe/recipe_common.cuh, TE 2.11), exactly; and
+that nothing is offered unless asked for. The casts against TE's own current scaling, bit for bit, and a
+LoRA model trained with them: tests/test_lora_gpu.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+from test_lora_support import interpreted
+
+from twinkle_specs.lora import fp8_amax
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+# partial maxima: ordinary, zeros, a subnormal amax (its quotient overflows fp32), an infinite and a NaN
+# partial, more partials than one block of the kernel
+CASES = {
+    "ordinary": [0.3, 1.7, 0.2],
+    "zeros": [0.0, 0.0],
+    "subnormal": [1e-40, 0.0],
+    "infinite": [3.0, math.inf],
+    "nan-partial": [math.nan, 2.0],
+    "many": [float(i % 977) / 7 for i in range(3000)],
+}
+
+
+def te_scale(amax: float, max_fp8: float, pow2: bool, eps: float) -> float:
+    """TE's compute_scale_from_amax in fp32, line by line (fp32 max for an infinite quotient)."""
+    a = np.float32(amax)
+    if a < eps:
+        a = np.float32(eps)
+    if math.isinf(a) or a == 0 or math.isnan(a):
+        return 1.0
+    with np.errstate(over="ignore"):
+        scale = np.float32(max_fp8) / a
+    if math.isinf(scale):
+        scale = np.float32(np.finfo(np.float32).max)
+    if pow2:
+        (bits,) = struct.unpack("<I", struct.pack("<f", scale))
+        (scale,) = struct.unpack("<f", struct.pack("<I", bits & 0xFF800000))
+    return float(scale)
+
+
+def _diff(a: float, b: float) -> float:
+    """0 for equal values (infinities included), else |a - b| (inf where one is not finite)."""
+    return 0.0 if a == b else abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+
+
+def _scale_errors() -> dict[str, float]:
+    """|kernel - TE's formula| for every case, format, epsilon and power-of-two option; the amax too."""
+    errors = {}
+    for name, values in CASES.items():
+        partials = torch.tensor(values, dtype=torch.float32)
+        amax = float(np.float32(np.nanmax(values)))  # as the fp32 partials hold it
+        for max_fp8 in (E4M3_MAX, E5M2_MAX):
+            for eps in (0.0, 1e-3):
+                for pow2 in (False, True):
+                    scale, got_amax = fp8_amax.scale_from_partials(partials, max_fp8, eps, pow2)
+                    key = f"{name}/{max_fp8:g}/{eps:g}/{pow2}"
+                    errors[f"scale/{key}"] = _diff(scale.item(), te_scale(amax, max_fp8, pow2, eps))
+                    errors[f"amax/{key}"] = _diff(got_amax.item(), amax)
+    return errors
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_scale_kernel_is_te_compute_scale_from_amax():
+    errors = interpreted(__file__)
+    assert len(errors) == len(CASES) * 2 * 2 * 2 * 2, errors
+    assert errors["scale/ordinary/448/0/False"] == 0.0 and te_scale(1.7, E4M3_MAX, False, 0.0) != 1.0
+    assert all(err == 0.0 for err in errors.values()), {k: e for k, e in errors.items() if e}
+
+
+def test_nothing_is_offered_unless_asked(monkeypatch):
+    """Off by default; asked for where Transformer Engine cannot run (this CPU host), still nothing: TE
+    quantizes as before."""
+    layer = torch.nn.Linear(4, 4)
+    monkeypatch.delenv(fp8_amax.ENV, raising=False)
+    assert fp8_amax.swiglu_fp8(layer, layer) is None
+    monkeypatch.setenv(fp8_amax.ENV, "1")
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert fp8_amax.swiglu_fp8(layer, layer) is None
+
+
+if __name__ == "__main__":
+    print(json.dumps(_scale_errors()))
