@@ -466,6 +466,42 @@ def test_te_fp8_lora_keeps_its_fused_paths(kind, lora_checkpoints, gpu, monkeypa
     assert cosine >= FP8_GRAD_MIN_COSINE[kind], cosine
 
 
+def _train_fp8_lora(checkpoint, recipe: str, iterations: int, events: list, **overrides) -> tuple:
+    """``(losses, adapter gradients, len(events) per iteration, model)`` of SGD on a LoRA model under
+    megatron's FP8 (``fp8="hybrid"``, ``recipe``); ``events`` is emptied before each iteration."""
+    from test_lora_support import randomize_megatron, tokens
+
+    import twinkle_specs as ts
+    from twinkle_specs import LoraConfig
+    from twinkle_specs.lora import adapter_parameters
+
+    model = ts.build_model(
+        checkpoint,
+        lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        fp8="hybrid",
+        fp8_recipe=recipe,
+        **overrides,
+    )
+    randomize_megatron(model)
+    opt = torch.optim.SGD(adapter_parameters(model), lr=0.1)
+    toks = tokens(s=64).cuda()
+    pos = torch.arange(64, device="cuda").expand_as(toks)
+    losses, grads, counts = [], [], []
+    for _ in range(iterations):
+        events.clear()
+        model.set_is_first_microbatch()  # megatron's schedule, at each iteration's first micro-batch
+        loss = _next_token_loss(model, toks, pos)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.float().flatten() for p in adapter_parameters(model)]))
+        counts.append(len(events))
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, counts, model
+
+
 def test_te_fp8_frozen_base_is_quantized_once(lora_checkpoints, gpu, monkeypatch):
     """Under FP8 (delayed scaling) the frozen base's weights are quantized by the first two iterations'
     forwards (the first with the recipe's initial scale, the second with the scale of the weight's own
@@ -474,13 +510,10 @@ def test_te_fp8_frozen_base_is_quantized_once(lora_checkpoints, gpu, monkeypatch
     adapter-training iterations equal those of the run that requantizes (a frozen weight's amax, so its
     scale, does not move after that: its FP8 copy is the same; 1e-3 relative for the kernels'
     nondeterminism)."""
-    from test_lora_support import randomize_megatron, tokens
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
-    import twinkle_specs as ts
-    from twinkle_specs import LoraConfig
-    from twinkle_specs.lora import adapter_parameters, te_layers
+    from twinkle_specs.lora import te_layers
 
     ok, why = FP8GlobalStateManager.is_fp8_available()
     if not ok:
@@ -495,34 +528,11 @@ def test_te_fp8_frozen_base_is_quantized_once(lora_checkpoints, gpu, monkeypatch
 
     monkeypatch.setattr(TransformerEngineBaseModule, "get_weight_workspace", counted)
 
-    def train(iterations: int = 4) -> tuple[list[float], list[int]]:
-        model = ts.build_model(
-            lora_checkpoints("qwen3"),
-            lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
-            params_dtype=torch.bfloat16,
-            bf16=True,
-            fp8="hybrid",
-            fp8_recipe="delayed",
-        )
-        randomize_megatron(model)
-        opt = torch.optim.SGD(adapter_parameters(model), lr=0.1)
-        toks = tokens(s=64).cuda()
-        pos = torch.arange(64, device="cuda").expand_as(toks)
-        losses, counts = [], []
-        for _ in range(iterations):
-            quantized.clear()
-            model.set_is_first_microbatch()  # megatron's schedule, at each iteration's first micro-batch
-            loss = _next_token_loss(model, toks, pos)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            counts.append(len(quantized))
-        return losses, counts
-
-    cached, cached_counts = train()
+    cached, _, cached_counts, _ = _train_fp8_lora(lora_checkpoints("qwen3"), "delayed", 4, quantized)
     monkeypatch.setattr(te_layers.FrozenFp8WeightCache, "_lora_base_stamp", lambda self: None)
-    requantized, requantized_counts = train()
+    requantized, _, requantized_counts, _ = _train_fp8_lora(
+        lora_checkpoints("qwen3"), "delayed", 4, quantized
+    )
     EVIDENCE.record(
         "fp8_frozen_base_cache", cached=cached, requantized=requantized, quantizations=cached_counts
     )
@@ -576,12 +586,9 @@ def test_te_fp8_lora_swiglu_amax_trains_as_te_current_scaling(lora_checkpoints, 
     kernels' amax (counted: the gradient from the first iteration on, fc2's input from the second, once
     fc2 has set up its quantizers), and 3 training iterations' losses and adapter gradients equal those of
     TE taking every amax itself (1e-3 relative: the two runs' own nondeterminism; the casts are the same)."""
-    from test_lora_support import randomize_megatron, tokens
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
-    import twinkle_specs as ts
-    from twinkle_specs import LoraConfig
-    from twinkle_specs.lora import adapter_parameters, fp8_amax
+    from twinkle_specs.lora import fp8_amax
 
     ok, why = FP8GlobalStateManager.is_fp8_available()
     if not ok:
@@ -592,37 +599,14 @@ def test_te_fp8_lora_swiglu_amax_trains_as_te_current_scaling(lora_checkpoints, 
         fp8_amax.KnownAmaxCast, "__call__", lambda self, *a: casts.append(1) or real(self, *a)
     )
 
-    def train(iterations: int = 3) -> tuple[list[float], list[torch.Tensor], list[int], int]:
-        model = ts.build_model(
-            lora_checkpoints("qwen3"),
-            lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
-            params_dtype=torch.bfloat16,
-            bf16=True,
-            bias_activation_fusion=True,
-            fp8="hybrid",
-            fp8_recipe="tensorwise",
-        )
-        randomize_megatron(model)
-        opt = torch.optim.SGD(adapter_parameters(model), lr=0.1)
-        toks = tokens(s=64).cuda()
-        pos = torch.arange(64, device="cuda").expand_as(toks)
-        losses, grads, counts = [], [], []
-        for _ in range(iterations):
-            casts.clear()
-            model.set_is_first_microbatch()
-            loss = _next_token_loss(model, toks, pos)
-            loss.backward()
-            losses.append(loss.item())
-            grads.append(torch.cat([p.grad.float().flatten() for p in adapter_parameters(model)]))
-            counts.append(len(casts))
-            opt.step()
-            opt.zero_grad()
-        return losses, grads, counts, model.config.num_layers
+    def train() -> tuple:
+        return _train_fp8_lora(lora_checkpoints("qwen3"), "tensorwise", 3, casts, bias_activation_fusion=True)
 
     monkeypatch.delenv(fp8_amax.ENV, raising=False)
-    te_losses, te_grads, te_counts, layers = train()
+    te_losses, te_grads, te_counts, model = train()
     monkeypatch.setenv(fp8_amax.ENV, "1")
     losses, grads, counts, _ = train()
+    layers = model.config.num_layers
     EVIDENCE.record("fp8_swiglu_amax", losses=losses, te_losses=te_losses, casts=counts)
     assert te_counts == [0, 0, 0] and counts == [layers, 2 * layers, 2 * layers], (te_counts, counts)
     assert losses[-1] < losses[0], losses  # the adapters trained
