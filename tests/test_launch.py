@@ -394,6 +394,7 @@ def test_batch_dump_starts_at_a_later_micro_batch(tmp_path, monkeypatch):
         "get_pipeline_model_parallel_rank",
     ):
         monkeypatch.setattr(ps, rank, lambda: 0)
+    monkeypatch.setattr(ps, "get_context_parallel_world_size", lambda: 1)
     monkeypatch.setenv("TWINKLE_DUMP_BATCHES", str(tmp_path))
     monkeypatch.setenv("TWINKLE_DUMP_BATCHES_FROM", "3")
     monkeypatch.setenv("TWINKLE_DUMP_BATCHES_COUNT", "2")
@@ -415,3 +416,11 @@ def test_batch_dump_starts_at_a_later_micro_batch(tmp_path, monkeypatch):
     for n in (3, 4):
         saved = torch.load(tmp_path / f"dp0-mb{n}-pp0.pt")
         assert saved["tokens"].unique().tolist() == [n] and saved["labels"].unique().tolist() == [n + 100]
+    # context parallel: a rank holds parts of each sequence, and the group's ranks would share file names
+    monkeypatch.setattr(ps, "get_context_parallel_world_size", lambda: 2)
+    monkeypatch.setenv("TWINKLE_DUMP_BATCHES", str(tmp_path / "cp2"))
+    split = Stage()
+    launch._maybe_dump_batches(split)
+    for i in range(4):
+        split(torch.full((1, 4), i), labels=torch.full((1, 4), i))
+    assert not (tmp_path / "cp2").exists()

@@ -412,11 +412,15 @@ def _maybe_dump_batches(model) -> None:
 
     Under pipeline parallelism Megatron-LM core_v0.19 gives the first stage no labels and the last stage
     no tokens, so each stage saves what it has; files of one data-parallel rank and micro-batch share
-    the prefix ``dp<D>-mb<N>`` and together hold both."""
+    the prefix ``dp<D>-mb<N>`` and together hold both. Under context parallelism a rank holds only parts
+    of each sequence (and the ranks of one context-parallel group would write the same files): nothing is
+    saved."""
     from megatron.core import parallel_state as ps
 
     out = os.environ.get("TWINKLE_DUMP_BATCHES")
     if not out or not (model.pre_process or model.post_process) or ps.get_tensor_model_parallel_rank() != 0:
+        return
+    if ps.get_context_parallel_world_size() > 1:
         return
     count = {"n": 0}
     start = int(os.environ.get("TWINKLE_DUMP_BATCHES_FROM", "0"))
@@ -469,6 +473,7 @@ def _maybe_dump_trained(models) -> None:
         "tp": ps.get_tensor_model_parallel_rank(),
         "pp": ps.get_pipeline_model_parallel_rank(),
         "dp": ps.get_data_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
         "ep": ps.get_expert_model_parallel_rank(),
         "etp": ps.get_expert_tensor_parallel_rank(),
         "edp": ps.get_expert_data_parallel_rank(),
