@@ -452,11 +452,16 @@ def single_gpu(e2e):
     """Per-iteration losses of one-GPU runs (cached per configuration): the reference curves."""
     cache: dict[tuple, dict[int, float]] = {}
 
-    def losses(kind: str, *flags: str) -> dict[int, float]:
-        key = (kind, *flags)
+    def losses(kind: str, *flags: str, iters: int = 6) -> dict[int, float]:
+        """``iters``: the run's --train-iters, which sets Megatron's sample order for the same data."""
+        key = (kind, *flags, iters)
         if key not in cache:
-            name = f"single-{kind}-" + ("lora" if "--lora-rank" in flags else "full")
-            cache[key] = pretrain(e2e[kind], e2e["root"] / name, "--mock-data", *flags, dump=False)[0]
+            name = (
+                f"single-{kind}-" + ("lora" if "--lora-rank" in flags else "full") + f"-{iters}-{len(cache)}"
+            )
+            cache[key] = pretrain(
+                e2e[kind], e2e["root"] / name, "--mock-data", *flags, iters=iters, dump=False
+            )[0]
         return cache[key]
 
     return losses
@@ -560,6 +565,30 @@ def test_qwen3_moe_ep2_tp2_four_gpus(e2e, single_gpu, lora):
 # its variable checks, rendezvous, torchrun-per-node or srun-native rank mapping, CKPT_DIR handling and
 # shared-directory check. Real Slurm runs the same script on CPU in tests/launch/test_launch_slurm.py.
 LORA_TP2 = ["--mock-data", "--lora-rank", "8", "--tensor-model-parallel-size", "2", "--save-interval", "5"]
+# the two-GPU layouts the cluster scripts start: TP=2, DP=2 with the distributed optimizer, context parallel 2
+SCRIPT_LAYOUTS = {
+    "tp2": LORA_TP2,
+    "dp2": ["--mock-data", "--lora-rank", "8", "--use-distributed-optimizer", "--save-interval", "5"],
+    "cp2": ["--mock-data", "--lora-rank", "8", "--context-parallel-size", "2", "--save-interval", "5"],
+}
+
+
+def check_script_run(
+    name: str, layout: str, losses: dict[int, float], hf: Path, dump: Path, single_gpu, iters: int
+) -> None:
+    """Iteration 1 against transformers on the dumped batches; under context parallelism (no rank holds
+    whole sequences, nothing is dumped) every iteration against one GPU on the same tokens instead (a run
+    of the same ``iters``)."""
+    if layout != "cp2":
+        _check_first_loss(name, losses, hf, dump, dp=2 if layout == "dp2" else 1)
+        return
+    ref = single_gpu("qwen3", "--lora-rank", "8", iters=iters)
+    curve = {i: abs(losses[i] - ref[i]) / ref[i] for i in losses if i in ref}
+    EVIDENCE.record(name, megatron=losses, single_gpu=ref, max_curve_rel=max(curve.values()))
+    assert not dump.exists() and len(curve) >= 5, (dump, curve)
+    assert max(curve.values()) <= CURVE_RTOL, curve
+
+
 SRUN_STANDIN = """#!/usr/bin/env python3
 import os, subprocess, sys
 args = sys.argv[1:]
@@ -604,43 +633,47 @@ def sbatch_env(tmp: Path, ckpt: Path, launcher: str, dump_dir: Path | None) -> d
 
 
 @two_gpus()
-def test_sbatch_script_trains_tp2_lora_and_resumes_across_launch_modes(e2e):
-    """train.sbatch, LoRA at TP=2: torchrun mode runs to --exit-interval 5 and saves; the 'requeued'
-    job (same command, srun-native mode) resumes from CKPT_DIR at iteration 6 and finishes at 8."""
-    hf, root = e2e["qwen3"], e2e["root"] / "sbatch"
+@pytest.mark.parametrize("layout", list(SCRIPT_LAYOUTS))
+def test_sbatch_script_trains_lora_and_resumes_across_launch_modes(e2e, single_gpu, layout):
+    """train.sbatch, LoRA at TP=2, DP=2 (distributed optimizer) or CP=2: torchrun mode runs to
+    --exit-interval 5 and saves; the 'requeued' job (same command, srun-native mode) resumes from CKPT_DIR
+    at iteration 6 and finishes at 8."""
+    hf, root = e2e["qwen3"], e2e["root"] / f"sbatch-{layout}"
     root.mkdir()
     ckpt, dump = root / "ckpt", root / "batches"
     script = Path(__file__).resolve().parents[1] / "launch" / "slurm" / "train.sbatch"
-    flags = [*train_flags(hf, 8), *LORA_TP2]
+    flags = [*train_flags(hf, 8), *SCRIPT_LAYOUTS[layout]]
     first, log1 = run_logged(
         ["bash", str(script), *flags, "--exit-interval", "5"],
-        "sbatch-torchrun-tp2",
+        f"sbatch-torchrun-{layout}",
         sbatch_env(root, ckpt, "torchrun", dump),
     )
     assert "torchrun, 1 node(s) x 2 rank(s), GPUs/node 2" in log1, log1[-3000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
-    _check_first_loss("sbatch-torchrun-lora-tp2", first, hf, dump)
+    check_script_run(f"sbatch-torchrun-lora-{layout}", layout, first, hf, dump, single_gpu, iters=8)
     resumed, log2 = run_logged(
-        ["bash", str(script), *flags], "sbatch-srun-tp2-resumed", sbatch_env(root, ckpt, "srun", None)
+        ["bash", str(script), *flags], f"sbatch-srun-{layout}-resumed", sbatch_env(root, ckpt, "srun", None)
     )
     assert "srun, 1 node(s) x 2 rank(s)" in log2 and "resuming from" in log2, log2[-3000:]
     assert sorted(resumed) == [6, 7, 8], sorted(resumed)
-    EVIDENCE.record("sbatch-lora-tp2", first=first, resumed=resumed)
+    EVIDENCE.record(f"sbatch-lora-{layout}", first=first, resumed=resumed)
     assert resumed[8] < first[1], (first, resumed)
 
 
 @two_gpus()
-def test_ray_script_trains_tp2_lora_on_two_gpus(e2e):
-    """launch/ray/launch.py starts a local Ray cluster with both GPUs, one actor per GPU rank."""
+@pytest.mark.parametrize("layout", list(SCRIPT_LAYOUTS))
+def test_ray_script_trains_lora_on_two_gpus(e2e, single_gpu, layout):
+    """launch/ray/launch.py starts a local Ray cluster with both GPUs, one actor per GPU rank: LoRA at TP=2,
+    DP=2 (distributed optimizer) or CP=2."""
     pytest.importorskip(
         "ray", reason="ray is not installed on this GPU machine (scripts/gpu/install_extras.sh)"
     )
-    hf, root = e2e["qwen3"], e2e["root"] / "ray"
+    hf, root = e2e["qwen3"], e2e["root"] / f"ray-{layout}"
     root.mkdir()
     dump = root / "batches"
     launch = Path(__file__).resolve().parents[1] / "launch" / "ray" / "launch.py"
     env = dump_env(dump) | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(root / "rt")}
-    flags = [*train_flags(hf, 6), *LORA_TP2]
+    flags = [*train_flags(hf, 6), *SCRIPT_LAYOUTS[layout]]
     cmd = [sys.executable, str(launch), "--gpus-per-node", "2", "--num-cpus", "8"]
     cmd += [
         "--node-ip-address",
@@ -651,10 +684,10 @@ def test_ray_script_trains_tp2_lora_on_two_gpus(e2e):
         str(root / "logs"),
     ]
     cmd += ["--entry", f"{sys.executable} -m twinkle_specs.launch", "--", *flags]
-    losses, log = run_logged(cmd, "ray-tp2", env)
+    losses, log = run_logged(cmd, f"ray-{layout}", env)
     ranks = sorted((root / "logs").glob("attempt_0/rank_*.log"))
     assert len(ranks) == 2, ranks
-    _check_first_loss("ray-lora-tp2", losses, hf, dump)
+    check_script_run(f"ray-lora-{layout}", layout, losses, hf, dump, single_gpu, iters=6)
 
 
 # -- without the launcher: twinkle-specs convert -> plain pretrain_gpt.py -> twinkle-specs export ---
