@@ -161,7 +161,9 @@ def test_lora_run_freezes_base_saves_adapters_only_and_exports_peft(checkpoints,
     run = torch.load(tmp_path / "ck" / "run.pt")
     # the replica dump (compared across data-parallel ranks on the GPU machine): the trained adapters only
     trained = torch.load(tmp_path / "trained" / "rank0.pt")
-    assert trained["coords"] == {"tp": 0, "pp": 0, "dp": 0, "ep": 0, "etp": 0, "edp": 0}, trained["coords"]
+    assert trained["coords"] == {"tp": 0, "pp": 0, "dp": 0, "cp": 0, "ep": 0, "etp": 0, "edp": 0}, trained[
+        "coords"
+    ]
     assert trained["params"] and all(".lora_" in k for k in trained["params"]), list(trained["params"])[:5]
     from safetensors.torch import load_file
 
