@@ -12,8 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -239,7 +237,7 @@ def test_plain_pretrain_gpt_sft_with_megatron_sft_tokenizer(kind, tmp_path):
     Megatron draws: iteration 1's loss (full fine-tune, bf16) equals transformers' fp32 loss on the row's
     conversations run one by one with the row's labels and mask; and the loss falls."""
     from test_launch_gpu import LOSS_RTOL as STEP_RTOL
-    from test_launch_gpu import ROOT, hf_model, run_logged
+    from test_launch_gpu import ROOT, hf_model, run_logged, twinkle_cli
 
     from twinkle_specs import megatron_args_from_hf
 
@@ -248,22 +246,7 @@ def test_plain_pretrain_gpt_sft_with_megatron_sft_tokenizer(kind, tmp_path):
     line = [m for c in (_with_system(c) for c in conversations(3, seed=5)) for m in c]
     data = tmp_path / "chat.jsonl"
     data.write_text((json.dumps({"messages": line}) + "\n") * 8)
-    conv = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "twinkle_specs.cli",
-            "convert",
-            "--hf-model",
-            str(hf),
-            "--save",
-            str(tmp_path / "ck"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert conv.returncode == 0, conv.stdout[-3000:] + conv.stderr[-3000:]
+    twinkle_cli("convert", "--hf-model", str(hf), "--save", str(tmp_path / "ck"))
     flags = [
         *megatron_args_from_hf(hf),
         "--load",

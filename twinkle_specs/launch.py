@@ -418,9 +418,8 @@ def _maybe_dump_batches(model) -> None:
     from megatron.core import parallel_state as ps
 
     out = os.environ.get("TWINKLE_DUMP_BATCHES")
-    if not out or not (model.pre_process or model.post_process) or ps.get_tensor_model_parallel_rank() != 0:
-        return
-    if ps.get_context_parallel_world_size() > 1:
+    stage_saves = (model.pre_process or model.post_process) and ps.get_tensor_model_parallel_rank() == 0
+    if not out or not stage_saves or ps.get_context_parallel_world_size() > 1:
         return
     count = {"n": 0}
     start = int(os.environ.get("TWINKLE_DUMP_BATCHES_FROM", "0"))

@@ -32,7 +32,7 @@ except ImportError:  # no kernel without Triton: nothing here is offered then
 
 ENV = "TWINKLE_FP8_SWIGLU_AMAX"
 BLOCK = 1024
-FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = torch.finfo(torch.float32).max  # TE's scale where max_fp8 / amax overflows
 
 if triton is not None:
 
@@ -84,7 +84,8 @@ class KnownAmaxCast:
         import transformer_engine_torch as tex
         from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
 
-        max_fp8 = 448.0 if self.like.dtype == tex.DType.kFloat8E4M3 else 57344.0
+        fp8 = torch.float8_e4m3fn if self.like.dtype == tex.DType.kFloat8E4M3 else torch.float8_e5m2
+        max_fp8 = torch.finfo(fp8).max  # 448 and 57344, TE's max_norm of each format
         scale, amax = scale_from_partials(
             partials, max_fp8, self.like.amax_epsilon, self.like.force_pow_2_scales
         )

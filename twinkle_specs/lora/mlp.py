@@ -25,7 +25,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from .config import SITE_SLOTS
-from .fp8_amax import swiglu_fp8
+from .fp8_amax import SwigluFp8, swiglu_fp8
 from .functions import GradLink
 from .layers import LoraLayerMixin
 from .model import swiglu_fn
@@ -74,7 +74,7 @@ class LoraMLP(MLP):
         return fc2(act if quantized is None else quantized)
 
 
-def _fp8_input(act: torch.Tensor, fp8) -> torch.Tensor | None:
+def _fp8_input(act: torch.Tensor, fp8: SwigluFp8 | None) -> torch.Tensor | None:
     """SwiGLU's output as fc2's base takes it under FP8 with the amax the kernel took, else None."""
     if fp8 is None or fp8.input_amax is None:
         return None
