@@ -117,6 +117,25 @@ def test_hybrid_tp_must_divide_linear_heads(hybrid):
         )
 
 
+def test_context_parallel_is_refused_for_gated_deltanet(hybrid, checkpoints):
+    """Context parallelism would run each rank's Gated DeltaNet recurrence over only its part of every
+    sequence: the layer refuses it (runs without the launcher), the launcher before any rank builds."""
+    import argparse
+
+    from twinkle_specs.gdn import PortableGatedDeltaNet
+    from twinkle_specs.launch import LaunchError, check_context_parallel
+
+    config = ts.transformer_config_from_hf(hybrid("qwen3_5"))
+    config.context_parallel_size = 2  # megatron-core 0.16's TransformerConfig asserts it away; 0.19's allows it
+    with pytest.raises(ValueError, match=r"^--context-parallel-size > 1 with Gated DeltaNet layers"):
+        PortableGatedDeltaNet(config, submodules=None, layer_number=1)
+    cp2 = argparse.Namespace(context_parallel_size=2)
+    with pytest.raises(LaunchError, match=r"config\.json: --context-parallel-size > 1 .* Use --context-parallel"):
+        check_context_parallel(cp2, hybrid("qwen3_5_moe"))
+    check_context_parallel(cp2, checkpoints("qwen3"))  # dense: TE's attention splits the sequence
+    check_context_parallel(argparse.Namespace(context_parallel_size=1), hybrid("qwen3_5"))
+
+
 def test_layer_types_default_from_full_attention_interval(hybrid, tmp_path):
     """Without layer_types, transformers' rule: one full-attention layer every full_attention_interval."""
     src = hybrid("qwen3_5_vl")

@@ -6,11 +6,15 @@ layouts 2 GPUs. Logs and a summary go to $TWINKLE_EVIDENCE_DIR when set.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -110,10 +114,14 @@ def run_logged(cmd: list[str], name: str, env: dict[str, str]) -> tuple[dict[int
         Path(evidence).mkdir(parents=True, exist_ok=True)
         Path(evidence, f"launch-{name}.log").write_text(" ".join(cmd) + "\n\n" + log[-12000:])
     assert proc.returncode == 0, log[-5000:]
-    losses = {
+    return parse_losses(log), log
+
+
+def parse_losses(log: str) -> dict[int, float]:
+    """The lm loss Megatron logs per iteration."""
+    return {
         int(m[1]): float(m[2]) for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)", log)
     }
-    return losses, log
 
 
 def dump_env(dump_dir: Path | None, count: int = 2, **extra: str) -> dict[str, str]:
@@ -669,6 +677,7 @@ sys.exit(max(p.wait() for p in procs))
 """
 SCONTROL_STANDIN = """#!/usr/bin/env bash
 [[ $1 == show && $2 == hostnames ]] && { echo "$3"; exit 0; }
+[[ $1 == requeue ]] && { echo "$2" >>"$SLURM_SUBMIT_DIR/requeued"; exit 0; }
 echo "scontrol stand-in: $*" >&2; exit 1
 """
 
@@ -751,6 +760,244 @@ def test_ray_script_trains_lora_on_two_gpus(e2e, single_gpu, layout):
     ranks = sorted((root / "logs").glob("attempt_0/rank_*.log"))
     assert len(ranks) == 2, ranks
     check_script_run(f"ray-lora-{layout}", layout, losses, hf, dump, single_gpu, iters=6)
+
+
+# -- faults on two GPUs: one rank killed (SIGKILL) or stopped (SIGSTOP) mid-run --------------------------
+# LoRA at DP=2 with the distributed optimizer and megatron's --exit-signal-handler (what docs/launch.md tells
+# users to run), saving every 5 iterations; the fault hits rank 1 once the checkpoint of iteration 10 is on
+# disk. Rank 1's process is found by an environment mark every rank inherits.
+FAULT_ITERS = 30
+FAULT_RUN = (
+    "--mock-data",
+    *LORA,
+    "--use-distributed-optimizer",
+    "--save-interval",
+    "5",
+    "--exit-signal-handler",
+)
+RAY_TEARDOWN_S = 20  # the driver polls every 1 s and SIGKILLs 3 s (--stop-grace) after SIGTERM
+TORCHRUN_TEARDOWN_S = 50  # torchrun SIGKILLs the other ranks 30 s after SIGTERM (its fixed stop timeout)
+HANG_TIMEOUT_MIN = 1  # megatron's --distributed-timeout-minutes in the SIGSTOP runs (NCCL's default is 10)
+
+
+class Watched:
+    """A launcher started in the background, its output lines kept with the time each arrived."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], name: str) -> None:
+        self.cmd, self.name, self.lines = cmd, name, []
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,  # a launcher that overruns is killed with everything it started
+        )
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def first(self, pattern: str) -> float | None:
+        """When the first line matching ``pattern`` arrived."""
+        return next((t for t, line in list(self.lines) if re.search(pattern, line)), None)
+
+    def finish(self, timeout: float) -> tuple[int, str, float]:
+        """Waits for the launcher: (exit code, output, when it exited); the output is kept as evidence."""
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            rc = self.proc.wait()
+        ended = time.monotonic()
+        self.reader.join(timeout=10)
+        log = "".join(line for _, line in self.lines)
+        evidence = os.environ.get("TWINKLE_EVIDENCE_DIR")
+        if evidence:
+            Path(evidence).mkdir(parents=True, exist_ok=True)
+            Path(evidence, f"fault-{self.name}.log").write_text(" ".join(self.cmd) + "\n\n" + log[-20000:])
+        return rc, log, ended
+
+
+def wait_for_checkpoint(ckpt: Path, iteration: int, run: Watched, timeout: float = 400) -> None:
+    """Returns once Megatron's tracker file names ``iteration`` or later (the save is complete then)."""
+    tracker, end = ckpt / "latest_checkpointed_iteration.txt", time.monotonic() + timeout
+    while time.monotonic() < end:
+        if tracker.is_file() and tracker.read_text().strip().isdigit():
+            if int(tracker.read_text()) >= iteration:
+                return
+        assert run.proc.poll() is None, "".join(line for _, line in run.lines)[-4000:]
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint of iteration {iteration} in {ckpt} after {timeout:g} s")
+
+
+def rank_pid(mark: str, rank: int) -> int:
+    """The training process of ``rank`` in the run marked ``mark`` (not its data-loader workers)."""
+    found: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            cmdline = (d / "cmdline").read_bytes()
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if f"TWINKLE_FAULT_MARK={mark}".encode() in env and f"RANK={rank}".encode() in env:
+            if b"twinkle_specs.launch" in cmdline:
+                found[int(d.name)] = ppid
+    roots = [pid for pid, ppid in found.items() if ppid not in found]
+    assert len(roots) == 1, f"rank {rank} of {mark}: processes {found}"
+    return roots[0]
+
+
+def gone(pid: int, within: float = 10) -> bool:
+    """Whether ``pid`` has exited (and was reaped) within ``within`` seconds."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(e2e) -> dict[int, float]:
+    """The fault runs' losses without a fault: the same flags on two GPUs through torchrun."""
+    out = e2e["root"] / "fault-uninterrupted"
+    return pretrain(e2e["qwen3"], out, *FAULT_RUN, iters=FAULT_ITERS, nproc=2, dump=False)[0]
+
+
+def ray_command(hf: Path, root: Path, *extra: str, iters: int = FAULT_ITERS, restarts: int = 0) -> list[str]:
+    launch = Path(__file__).resolve().parents[1] / "launch" / "ray" / "launch.py"
+    cmd = [sys.executable, str(launch), "--gpus-per-node", "2", "--num-cpus", "8", "--node-ip-address"]
+    cmd += ["127.0.0.1", "--ckpt-dir", str(root / "ckpt"), "--log-dir", str(root / "logs")]
+    cmd += ["--max-restarts", str(restarts), "--entry", f"{sys.executable} -m twinkle_specs.launch", "--"]
+    return cmd + [*train_flags(hf, iters), *FAULT_RUN, *extra]
+
+
+def ray_env(root: Path) -> dict[str, str]:
+    return dump_env(None) | {
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_TMPDIR": str(root / "rt"),
+        "TWINKLE_FAULT_MARK": root.name,
+    }
+
+
+def sbatch_command(hf: Path, *extra: str, iters: int = FAULT_ITERS) -> list[str]:
+    script = Path(__file__).resolve().parents[1] / "launch" / "slurm" / "train.sbatch"
+    return ["bash", str(script), *train_flags(hf, iters), *FAULT_RUN, *extra]
+
+
+def check_resumed(name: str, after: dict[int, float], resumed_from: int, straight: dict[int, float], **extra):
+    """The restarted run logs every iteration after the checkpoint it resumed from, each within 2e-3 of the
+    uninterrupted run (as a resumed one-GPU run is checked)."""
+    assert sorted(after) == list(range(resumed_from + 1, FAULT_ITERS + 1)), (resumed_from, sorted(after))
+    diffs = relative_gaps(after, straight)
+    EVIDENCE.record(name, resumed_from=resumed_from, resumed=after, max_rel=max(diffs.values()), **extra)
+    assert max(diffs.values()) <= 2e-3, diffs
+
+
+@two_gpus()
+def test_ray_killed_rank_stops_the_job_and_the_restart_resumes(e2e, uninterrupted):
+    """launch/ray/launch.py, --max-restarts 1: rank 1 SIGKILLed after iteration 10's save. The driver names
+    rank 1 and the signal within RAY_TEARDOWN_S, tears the group down, starts it again, and the restarted
+    group resumes from the last checkpoint with the uninterrupted run's losses."""
+    hf, root = e2e["qwen3"], e2e["root"] / "fault-ray-sigkill"
+    run = Watched(ray_command(hf, root, restarts=1), ray_env(root), "ray-sigkill")
+    wait_for_checkpoint(root / "ckpt", 10, run)
+    victim = rank_pid(root.name, 1)
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    rc, log, _ = run.finish(timeout=400)
+    assert rc == 0, log[-4000:]
+    named = run.first(r"rank 1 \(node 0 .*\) was killed by SIGKILL")
+    restarted = run.first(r"restarting the whole group \(1/1\)")
+    assert named is not None and restarted is not None, log[-4000:]
+    resumed_from = int(
+        re.search(r"attempt 1: resuming from .*latest_checkpointed_iteration\.txt: (\d+)", log)[1]
+    )
+    after = parse_losses((root / "logs" / "attempt_1" / "rank_1.log").read_text())
+    check_resumed(
+        "fault-ray-sigkill",
+        after,
+        resumed_from,
+        uninterrupted,
+        named_after_s=named - killed,
+        torn_down_after_s=restarted - killed,
+    )
+    assert restarted - killed <= RAY_TEARDOWN_S, restarted - killed
+
+
+@two_gpus()
+def test_sbatch_killed_rank_requeues_and_the_rerun_resumes(e2e, uninterrupted):
+    """train.sbatch (torchrun mode): rank 1 SIGKILLed after iteration 10's save. torchrun names rank 1 and
+    the signal, the job step ends within TORCHRUN_TEARDOWN_S, the script requeues the job (`scontrol
+    requeue`, recorded by the stand-in); the requeued job (SLURM_RESTART_COUNT=1) resumes from CKPT_DIR with
+    the uninterrupted run's losses."""
+    hf, root = e2e["qwen3"], e2e["root"] / "fault-sbatch-sigkill"
+    root.mkdir()
+    ckpt = root / "ckpt"
+    env = sbatch_env(root, ckpt, "torchrun", None) | {"TWINKLE_FAULT_MARK": root.name}
+    run = Watched(sbatch_command(hf), env, "sbatch-sigkill")
+    wait_for_checkpoint(ckpt, 10, run)
+    victim = rank_pid(root.name, 1)
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    rc, log, ended = run.finish(timeout=400)
+    assert rc == 0 and (root / "requeued").read_text().split() == ["4242"], log[-4000:]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", log) and "SIGKILL" in log, log[-4000:]
+    assert "requeueing job 4242 (restart 1 of at most 3), it resumes from" in log, log[-4000:]
+    resumed_from = int(ckpt.joinpath("latest_checkpointed_iteration.txt").read_text())
+    requeued = sbatch_env(root, ckpt, "torchrun", None) | {"SLURM_RESTART_COUNT": "1"}
+    after, log2 = run_logged(sbatch_command(hf), "fault-sbatch-requeued", requeued)
+    assert f"resuming from {ckpt} (latest_checkpointed_iteration.txt: {resumed_from})" in log2, log2[-3000:]
+    check_resumed(
+        "fault-sbatch-sigkill", after, resumed_from, uninterrupted, step_ended_after_s=ended - killed
+    )
+    assert ended - killed <= TORCHRUN_TEARDOWN_S, ended - killed
+
+
+@two_gpus()
+@pytest.mark.parametrize("launcher", ["ray", "sbatch"])
+def test_stopped_rank_is_torn_down_after_the_distributed_timeout(e2e, launcher):
+    """Rank 1 SIGSTOPped after iteration 10's save: rank 0 waits in a collective that cannot finish. With
+    megatron's --distributed-timeout-minutes 1, NCCL's watchdog ends rank 0 after that minute and the
+    launcher tears the job down, the stopped rank included, within a minute more (instead of hanging for
+    NCCL's default of 10 minutes)."""
+    hf, root = e2e["qwen3"], e2e["root"] / f"fault-{launcher}-sigstop"
+    timeout = ("--distributed-timeout-minutes", str(HANG_TIMEOUT_MIN))
+    if launcher == "ray":
+        run = Watched(ray_command(hf, root, *timeout, iters=200), ray_env(root), "ray-sigstop")
+    else:
+        root.mkdir()
+        env = sbatch_env(root, root / "ckpt", "torchrun", None) | {"TWINKLE_FAULT_MARK": root.name}
+        run = Watched(sbatch_command(hf, *timeout, iters=200), env, "sbatch-sigstop")
+    wait_for_checkpoint(root / "ckpt", 10, run)
+    victim = rank_pid(root.name, 1)
+    stopped = time.monotonic()
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        rc, log, ended = run.finish(timeout=HANG_TIMEOUT_MIN * 60 + 240)
+        survived = not gone(victim)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a stopped rank left behind would hold its GPU
+            os.kill(victim, signal.SIGKILL)
+    EVIDENCE.record(f"fault-{launcher}-sigstop", torn_down_after_s=ended - stopped, exit_code=rc)
+    assert not survived, f"the stopped rank {victim} outlived the job"
+    if launcher == "ray":
+        assert rc != 0 and re.search(r"launch\.py: error: rank [01] \(node 0 ", log), log[-4000:]
+    else:  # a hang is a crash to the script: it requeues
+        assert rc == 0 and "the job step failed with exit code" in log, log[-4000:]
+    assert "iteration      200/     200" not in log, "the run finished: nothing hung"
+    assert ended - stopped <= HANG_TIMEOUT_MIN * 60 + 60, ended - stopped
 
 
 # -- without the launcher: twinkle-specs convert -> plain pretrain_gpt.py -> twinkle-specs export ---

@@ -228,20 +228,22 @@ def _megatron_sft_row(hf, messages: list[dict], length: int) -> dict[str, torch.
     not _megatron_has_sft_tokenizer(),
     reason="Megatron-LM's SFTTokenizer has a prompt format for a Qwen chat template from core_v0.19 on",
 )
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_5_vl"])
 def test_plain_pretrain_gpt_sft_with_megatron_sft_tokenizer(kind, tmp_path):
     """Without the launcher: `twinkle-specs convert`, then the unmodified pretrain_gpt.py with `twinkle-specs
     args`' flags (our spec), --sft and Megatron-LM's own SFTTokenizer in its ``default`` prompt format (the
     checkpoint's chat template; Megatron then trains on every token: the answer-only mask is the launcher's).
     Every JSONL line is the same row of three conversations, so each micro-batch is that row whatever order
     Megatron draws: iteration 1's loss (full fine-tune, bf16) equals transformers' fp32 loss on the row's
-    conversations run one by one with the row's labels and mask; and the loss falls."""
+    conversations run one by one with the row's labels and mask; and the loss falls. Qwen3.5 (the multimodal
+    checkpoint): its Gated DeltaNet layers restart at each conversation of megatron's packed row."""
     from test_launch_gpu import LOSS_RTOL as STEP_RTOL
     from test_launch_gpu import ROOT, hf_model, run_logged, twinkle_cli
 
     from twinkle_specs import megatron_args_from_hf
 
-    hf = make_checkpoint(kind, tmp_path / kind, max_position_embeddings=ROW)
+    make = make_hybrid_checkpoint if kind.startswith("qwen3_5") else make_checkpoint
+    hf = make(kind, tmp_path / kind, max_position_embeddings=ROW)
     save_tokenizer(hf, "qwen3")
     line = [m for c in (_with_system(c) for c in conversations(3, seed=5)) for m in c]
     data = tmp_path / "chat.jsonl"

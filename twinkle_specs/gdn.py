@@ -125,6 +125,17 @@ class PlainRMSNorm(torch.nn.Module):
         )
 
 
+# Each context-parallel rank would run the recurrence over its own part of every sequence, starting from a
+# zero state: a different model, not an error. megatron-core 0.19's own module exchanges heads for sequence
+# (all-to-all) first; this one does not, so it refuses.
+NO_CONTEXT_PARALLEL = (
+    "--context-parallel-size > 1 with Gated DeltaNet layers (Qwen3-Next / Qwen3.5 linear_attention layers): "
+    "twinkle-specs' Gated DeltaNet has no context parallelism, and each rank would run the recurrence over "
+    "only its part of every sequence. Use --context-parallel-size 1 and split the model with "
+    "--tensor-model-parallel-size / --pipeline-model-parallel-size instead."
+)
+
+
 class PortableGatedDeltaNet(GatedDeltaNet):
     """megatron-core's GatedDeltaNet with device-independent construction and kernels (module docstring)."""
 
@@ -137,6 +148,8 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         **_: object,
     ) -> None:
         MegatronModule.__init__(self, config)
+        if config.context_parallel_size != 1:
+            raise ValueError(NO_CONTEXT_PARALLEL)
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
 

@@ -258,6 +258,15 @@ def check_architecture(args: argparse.Namespace, parser: argparse.ArgumentParser
         )
 
 
+def check_context_parallel(args: argparse.Namespace, hf_dir: str | Path) -> None:
+    """Raises :class:`LaunchError` for context parallelism on a checkpoint with Gated DeltaNet layers, before
+    any rank builds a model (the layers refuse it too, for runs without the launcher)."""
+    if getattr(args, "context_parallel_size", 1) > 1 and qwen_arch_from_hf(hf_dir).hybrid is not None:
+        from .gdn import NO_CONTEXT_PARALLEL
+
+        raise LaunchError(f"{Path(hf_dir) / 'config.json'}: {NO_CONTEXT_PARALLEL}")
+
+
 @dataclass
 class Run:
     """What the hooks need to know about this launch, filled from Megatron's parsed args."""
@@ -305,6 +314,7 @@ def _wrap_parse_args(original):
         args = original(composed, ignore_unknown_args)
         if args.hf_model:
             check_architecture(args, parsers[-1], args.hf_model)  # a LaunchError ends in main's refuse()
+            check_context_parallel(args, args.hf_model)
         global _RUN
         _RUN = Run(hf_dir=args.hf_model, lora=_lora_from_args(args))
         return args
