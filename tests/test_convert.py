@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import megatron_training_root
-from gpu_checks import FP32_MAX_ABS, FP32_MOE_MAX_ABS
+from gpu_checks import FP32_MAX_ABS, FP32_MOE_MAX_ABS, HYBRID_FP32_MAX_ABS
+from hybrid_models import hybrid_batch, hybrid_hf_logits, make_hybrid_checkpoint
 from models import batch, hf_logits, make_checkpoint
 from safetensors.torch import load_file
 
@@ -46,6 +47,15 @@ def moe_ckpt(checkpoints, tmp_path_factory):
     hf = checkpoints("qwen3_moe")
     out = tmp_path_factory.mktemp("mcore") / "qwen3moe-ep2"
     convert(hf, out, Layout(ep=2))
+    return hf, out
+
+
+@pytest.fixture(scope="module")
+def hybrid_ckpt(tmp_path_factory):
+    """Qwen3.5 as released (the multimodal checkpoint), its Gated DeltaNet and gated attention layers."""
+    hf = make_hybrid_checkpoint("qwen3_5_vl", tmp_path_factory.mktemp("hf-hybrid") / "qwen3_5_vl")
+    out = tmp_path_factory.mktemp("mcore") / "qwen3_5_vl"
+    convert(hf, out, Layout())
     return hf, out
 
 
@@ -252,10 +262,11 @@ def test_megatron_lm_load_checkpoint_reads_the_conversion(qwen3_ckpt, finetune):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine")
-@pytest.mark.parametrize("which", ["qwen3_ckpt", "moe_ckpt"])
+@pytest.mark.parametrize("which", ["qwen3_ckpt", "moe_ckpt", "hybrid_ckpt"])
 def test_transformer_engine_model_finds_every_key_it_loads(which, request, megatron_single):
     """The conversion is written by portable CPU modules; a Transformer Engine model (what pretrain_gpt
-    builds on a GPU) must find every key it asks for, TE's ``_extra_state`` included, and match HF."""
+    builds on a GPU) must find every key it asks for, TE's ``_extra_state`` included, and match HF (the
+    hybrid: a Gated DeltaNet layer's input norm is fused into in_proj there)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
@@ -272,10 +283,12 @@ def test_transformer_engine_model_finds_every_key_it_loads(which, request, megat
         f"{len(absent)} keys the TE model loads are not in the conversion: {sorted(absent)[:8]}"
     )
     model.load_state_dict(loaded["model"], strict=True)
-    tokens = batch(s=64)
+    hybrid = which == "hybrid_ckpt"
+    tokens = hybrid_batch() if hybrid else batch(s=64)
     pos = torch.arange(tokens.shape[1], device="cuda").expand_as(tokens)
     with torch.no_grad():
         ours = model(tokens.cuda(), pos, None)
-    report = compare_logits(ours, hf_logits(hf, tokens))
+    report = compare_logits(ours, (hybrid_hf_logits if hybrid else hf_logits)(hf, tokens))
     print(f"{which}: TE model from the conversion vs transformers (fp32): {report}")
-    assert report.max_abs <= (FP32_MOE_MAX_ABS if "moe" in which else FP32_MAX_ABS), report
+    bound = HYBRID_FP32_MAX_ABS if hybrid else FP32_MOE_MAX_ABS if "moe" in which else FP32_MAX_ABS
+    assert report.max_abs <= bound, report

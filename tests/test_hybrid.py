@@ -126,14 +126,33 @@ def test_context_parallel_is_refused_for_gated_deltanet(hybrid, checkpoints):
     from twinkle_specs.launch import LaunchError, check_context_parallel
 
     config = ts.transformer_config_from_hf(hybrid("qwen3_5"))
-    config.context_parallel_size = 2  # megatron-core 0.16's TransformerConfig asserts it away; 0.19's allows it
+    config.context_parallel_size = (
+        2  # megatron-core 0.16's TransformerConfig asserts it away; 0.19's allows it
+    )
     with pytest.raises(ValueError, match=r"^--context-parallel-size > 1 with Gated DeltaNet layers"):
         PortableGatedDeltaNet(config, submodules=None, layer_number=1)
     cp2 = argparse.Namespace(context_parallel_size=2)
-    with pytest.raises(LaunchError, match=r"config\.json: --context-parallel-size > 1 .* Use --context-parallel"):
+    with pytest.raises(
+        LaunchError, match=r"config\.json: --context-parallel-size > 1 .* Use --context-parallel"
+    ):
         check_context_parallel(cp2, hybrid("qwen3_5_moe"))
     check_context_parallel(cp2, checkpoints("qwen3"))  # dense: TE's attention splits the sequence
     check_context_parallel(argparse.Namespace(context_parallel_size=1), hybrid("qwen3_5"))
+
+
+def test_checkpoint_keys_are_those_a_te_model_loads(hybrid, megatron_single):
+    """The portable model's checkpoint keys are a Transformer Engine model's: a Gated DeltaNet layer's input
+    norm is in_proj's fused norm there, a full-attention layer's linear_qkv's. A `convert` output then loads
+    into pretrain_gpt.py's TE model, and a TE-trained checkpoint exports through the portable model."""
+    model = ts.build_model(hybrid("qwen3_5"), load_weights=False)
+    keys = {t.key for t in model.sharded_state_dict().values() if hasattr(t, "key")}  # checkpoint keys
+    for i, kind in enumerate(LAYER_TYPES):
+        fused = "in_proj" if kind == "linear_attention" else "linear_qkv"
+        layer = {k.split(".", 3)[3] for k in keys if k.startswith(f"decoder.layers.{i}.")}
+        assert f"self_attention.{fused}.layer_norm_weight" in layer, sorted(layer)
+        assert not any(k.startswith("input_layernorm") for k in layer), sorted(layer)
+        if kind == "linear_attention":
+            assert not any(k.startswith("self_attention.linear_qkv") for k in layer), sorted(layer)
 
 
 def test_layer_types_default_from_full_attention_interval(hybrid, tmp_path):

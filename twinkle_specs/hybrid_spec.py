@@ -90,8 +90,13 @@ def hybrid_layer_submodules(
             )
         return submodules
     norm = ZeroCenteredRMSNorm
+    keys_map = dict(submodules.sharded_state_dict_keys_map)
     if linear:
         attention: Any = _gdn_spec(config)
+        # A TE model fuses this layer's input norm into in_proj (not linear_qkv, which it does not have):
+        # checkpoint keys must be the ones a TE model of the same checkpoint loads, and the reverse.
+        if "input_layernorm." in keys_map:
+            keys_map["input_layernorm."] = "self_attention.in_proj.layer_norm_"
     else:
         attention = submodules.self_attention
         attention = dataclasses.replace(
@@ -100,7 +105,11 @@ def hybrid_layer_submodules(
             submodules=dataclasses.replace(attention.submodules, q_layernorm=norm, k_layernorm=norm),
         )
     return dataclasses.replace(
-        submodules, input_layernorm=norm, self_attention=attention, pre_mlp_layernorm=norm
+        submodules,
+        input_layernorm=norm,
+        self_attention=attention,
+        pre_mlp_layernorm=norm,
+        sharded_state_dict_keys_map=keys_map,
     )
 
 
