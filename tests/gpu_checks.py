@@ -3,6 +3,7 @@ the recorder that writes measured numbers to $TWINKLE_EVIDENCE_DIR (committed un
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -27,18 +28,22 @@ BF16_ERROR_RATIO = 1.5
 
 
 class Evidence:
-    """Measured values by name, rewritten to ``$TWINKLE_EVIDENCE_DIR/<filename>`` after each record."""
+    """Measured values by name, merged into ``$TWINKLE_EVIDENCE_DIR/<filename>`` after each record (under a
+    lock: several pytest processes may record into one evidence folder at once)."""
 
     def __init__(self, filename: str) -> None:
         self.filename = filename
-        self.values: dict[str, dict] = {}
 
     def record(self, name: str, **values) -> None:
-        self.values[name] = values
         out = os.environ.get("TWINKLE_EVIDENCE_DIR")
-        if out:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            Path(out, self.filename).write_text(json.dumps(self.values, indent=2))
+        if not out:
+            return
+        Path(out).mkdir(parents=True, exist_ok=True)
+        path = Path(out, self.filename)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            merged = json.loads(path.read_text()) if path.is_file() else {}
+            path.write_text(json.dumps(merged | {name: values}, indent=2))
 
 
 def fp32_router(kind: str, dtype: torch.dtype) -> dict:

@@ -88,8 +88,9 @@ def make_hybrid_checkpoint(kind: str, out: Path, seed: int = 0, **text) -> Path:
     return out
 
 
-def hybrid_hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    """transformers' fp32 logits (the multimodal model on text-only tokens)."""
+def hybrid_hf_logits(hf_dir: Path, tokens: torch.Tensor, device: str = "cpu") -> torch.Tensor:
+    """transformers' fp32 logits (the multimodal model on text-only tokens), computed on ``device`` (where
+    fla is installed transformers runs its gated delta rule with fla's Triton kernels: CUDA only)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_dir)
@@ -100,7 +101,7 @@ def hybrid_hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     else:
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     with torch.no_grad():
-        return model.eval()(tokens).logits
+        return model.to(device).eval()(tokens.to(device)).logits.cpu()
 
 
 def hybrid_batch(seed: int = 1, b: int = 2, s: int = SEQ) -> torch.Tensor:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import megatron_training_root
-from gpu_checks import FP32_MAX_ABS, FP32_MOE_MAX_ABS, HYBRID_FP32_MAX_ABS
+from gpu_checks import FP32_MAX_ABS, FP32_MOE_MAX_ABS, HYBRID_FP32_MAX_ABS, fp32_router
 from hybrid_models import hybrid_batch, hybrid_hf_logits, make_hybrid_checkpoint
 from models import batch, hf_logits, make_checkpoint
 from safetensors.torch import load_file
@@ -273,7 +273,9 @@ def test_transformer_engine_model_finds_every_key_it_loads(which, request, megat
     from twinkle_specs.parity import compare_logits
 
     hf, ckpt = request.getfixturevalue(which)
-    model = ts.build_model(hf, load_weights=False, parallel_output=False).eval()
+    model = ts.build_model(
+        hf, load_weights=False, parallel_output=False, **fp32_router(which, torch.float32)
+    ).eval()
     assert model.config.transformer_impl == "transformer_engine"
     loaded, _, absent = dist_checkpointing.load(
         {"model": model.sharded_state_dict()}, str(ckpt / RELEASE), strict=StrictHandling.RETURN_ALL
@@ -288,7 +290,8 @@ def test_transformer_engine_model_finds_every_key_it_loads(which, request, megat
     pos = torch.arange(tokens.shape[1], device="cuda").expand_as(tokens)
     with torch.no_grad():
         ours = model(tokens.cuda(), pos, None)
-    report = compare_logits(ours, (hybrid_hf_logits if hybrid else hf_logits)(hf, tokens))
+    ref = hybrid_hf_logits(hf, tokens, device="cuda") if hybrid else hf_logits(hf, tokens)
+    report = compare_logits(ours, ref)
     print(f"{which}: TE model from the conversion vs transformers (fp32): {report}")
     bound = HYBRID_FP32_MAX_ABS if hybrid else FP32_MOE_MAX_ABS if "moe" in which else FP32_MAX_ABS
     assert report.max_abs <= bound, report
