@@ -7,6 +7,7 @@ layouts 2 GPUs. Logs and a summary go to $TWINKLE_EVIDENCE_DIR when set.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -469,12 +470,25 @@ def test_lora_checkpoint_resumes_at_another_layout(e2e, saved, resumed):
     lora = ["--mock-data", *LORA]
     ck = root / "ck"
     save = ("--save", str(ck), "--save-interval", "5", "--exit-interval", "5")
-    first, _, _ = pretrain(hf, root / "first", *lora, *RELAYOUT[saved], *save, iters=8, nproc=2, dump=False)
+    name = f"relayout-{saved}-to-{resumed}"
+    first, _, _ = pretrain(
+        hf, root / f"{name}-first", *lora, *RELAYOUT[saved], *save, iters=8, nproc=2, dump=False
+    )
     assert sorted(first) == [1, 2, 3, 4, 5], sorted(first)
     after, _, log = pretrain(
-        hf, root / "resumed", *lora, *RELAYOUT[resumed], "--load", str(ck), iters=8, nproc=2, dump=False
+        hf,
+        root / f"{name}-resumed",
+        *lora,
+        *RELAYOUT[resumed],
+        "--load",
+        str(ck),
+        iters=8,
+        nproc=2,
+        dump=False,
     )
-    straight, _, _ = pretrain(hf, root / "straight", *lora, *RELAYOUT[saved], iters=8, nproc=2, dump=False)
+    straight, _, _ = pretrain(
+        hf, root / f"{name}-straight", *lora, *RELAYOUT[saved], iters=8, nproc=2, dump=False
+    )
     assert sorted(after) == [6, 7, 8], (sorted(after), log[-3000:])
     diffs = relative_gaps(after, straight)
     EVIDENCE.record(
@@ -524,9 +538,10 @@ def single_gpu(e2e):
         """``iters``: the run's --train-iters, which sets Megatron's sample order for the same data."""
         key = (kind, *flags, iters)
         if key not in cache:
-            name = (
-                f"single-{kind}-" + ("lora" if "--lora-rank" in flags else "full") + f"-{iters}-{len(cache)}"
-            )
+            # named by the configuration: pytest processes sharing an evidence folder write distinct logs
+            digest = hashlib.sha1(" ".join(key[1:-1]).encode()).hexdigest()[:8]
+            name = f"single-{kind}-" + ("lora" if "--lora-rank" in flags else "full") + f"-{iters}-{digest}"
+
             cache[key] = pretrain(
                 e2e[kind], e2e["root"] / name, "--mock-data", *flags, iters=iters, dump=False
             )[0]
