@@ -66,6 +66,8 @@ def stamp(result: dict, shape: str, variant: str, settings, tag: str | None, com
         "date_utc": doc["date_utc"],
         "git_commit": doc["environment"]["git_commit"],
         "source_sha256": doc["environment"]["source_sha256"],
+        # the switches this row ran with: a later command merged into the same file replaces the document's
+        "env_vars": doc["environment"]["env_vars"],
     }
 
 

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -164,12 +163,6 @@ def _refuse_training_dir(save: Path) -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(
     world: int, env: dict[str, str], logs: Path, timeout: float | None
 ) -> tuple[list[str], list[int | None]]:
@@ -261,13 +254,13 @@ def _run_convert_ranks(
         "args": vars(checkpoint_args(hf_dir, layout, precision)),
     }
     world = layout.world_size
-    port = _free_port()
     with tempfile.TemporaryDirectory(prefix="twinkle-convert-") as tmp:
         job["errors"] = tmp
+        # The ranks meet through a file, not a TCP port: a port picked free here could be taken by another
+        # program before rank 0 listens on it (seen with several jobs starting on one machine).
+        job["rendezvous"] = f"file://{Path(tmp) / 'rendezvous'}"
         env = dict(
             os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
             WORLD_SIZE=str(world),
             CUDA_VISIBLE_DEVICES="",
             OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
@@ -331,7 +324,12 @@ def _convert_rank(job: dict) -> None:
     from .model import build_model
 
     layout = Layout(**job["layout"])
-    dist.init_process_group("gloo")
+    dist.init_process_group(
+        "gloo",
+        init_method=job["rendezvous"],
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
     try:
         ps.initialize_model_parallel(
             layout.tp,
