@@ -126,9 +126,8 @@ def test_context_parallel_is_refused_for_gated_deltanet(hybrid, checkpoints):
     from twinkle_specs.launch import LaunchError, check_context_parallel
 
     config = ts.transformer_config_from_hf(hybrid("qwen3_5"))
-    config.context_parallel_size = (
-        2  # megatron-core 0.16's TransformerConfig asserts it away; 0.19's allows it
-    )
+    # set after construction: megatron-core 0.16's TransformerConfig asserts it away, 0.19's allows it
+    config.context_parallel_size = 2
     with pytest.raises(ValueError, match=r"^--context-parallel-size > 1 with Gated DeltaNet layers"):
         PortableGatedDeltaNet(config, submodules=None, layer_number=1)
     cp2 = argparse.Namespace(context_parallel_size=2)
