@@ -117,26 +117,55 @@ def test_hybrid_tp_must_divide_linear_heads(hybrid):
         )
 
 
-def test_context_parallel_is_refused_for_gated_deltanet(hybrid, checkpoints):
-    """Context parallelism would run each rank's Gated DeltaNet recurrence over only its part of every
-    sequence: the layer refuses it (runs without the launcher), the launcher before any rank builds."""
+# fp32, the layer at CP 2 on gloo against CP 1: output and input gradient are computed per token from the
+# same whole-sequence mixing; parameter gradients sum the two ranks' parts in another order.
+CP_RTOL = 1e-5
+
+
+def test_gated_deltanet_context_parallel_matches_the_whole_sequence(hybrid, tmp_path):
+    """Two ranks at context parallel 2, each with its two of the sequence's four chunks (megatron's load
+    balancing): the layer's output and input gradient equal the whole-sequence layer's on those rows, and the
+    parameter gradients summed over the CP group equal its gradients (each rank holds half the heads)."""
+    from conftest import run_dist
+
+    out = tmp_path / "cp.json"
+    worker = Path(__file__).with_name("gdn_cp_worker.py")
+    run_dist(2, worker, str(hybrid("qwen3_5")), str(out), cpu_only=True, timeout=240)
+    result = json.loads(out.read_text())
+    for diffs in result["per_rank"]:
+        assert set(diffs) == {"output", "input grad", *result["params"]}, diffs
+        assert {"conv1d.weight", "A_log", "dt_bias", "in_proj.weight"} <= set(diffs), diffs
+        assert max(diffs.values()) <= CP_RTOL, diffs
+
+
+def test_context_parallel_layouts_gated_deltanet_cannot_run_are_refused(hybrid, checkpoints):
+    """Packed rows (--sft), heads that CP x TP does not divide, megatron-core 0.16: refused by the launcher
+    before any rank builds, and by the layer (runs without the launcher)."""
     import argparse
+
+    import megatron.core
+    from packaging.version import Version
 
     from twinkle_specs.gdn import PortableGatedDeltaNet
     from twinkle_specs.launch import LaunchError, check_context_parallel
 
-    config = ts.transformer_config_from_hf(hybrid("qwen3_5"))
+    config = ts.transformer_config_from_hf(hybrid("qwen3_5"))  # 2 key heads, 4 value heads
     # set after construction: megatron-core 0.16's TransformerConfig asserts it away, 0.19's allows it
-    config.context_parallel_size = 2
-    with pytest.raises(ValueError, match=r"^--context-parallel-size > 1 with Gated DeltaNet layers"):
+    config.context_parallel_size = 4
+    with pytest.raises(ValueError, match=r"^--context-parallel-size 4 .* divide the key heads \(2,"):
         PortableGatedDeltaNet(config, submodules=None, layer_number=1)
-    cp2 = argparse.Namespace(context_parallel_size=2)
-    with pytest.raises(
-        LaunchError, match=r"config\.json: --context-parallel-size > 1 .* Use --context-parallel"
-    ):
-        check_context_parallel(cp2, hybrid("qwen3_5_moe"))
-    check_context_parallel(cp2, checkpoints("qwen3"))  # dense: TE's attention splits the sequence
-    check_context_parallel(argparse.Namespace(context_parallel_size=1), hybrid("qwen3_5"))
+    cases = [
+        (dict(context_parallel_size=2, sft=True), r"with packed sequences \(--sft\)"),
+        (dict(context_parallel_size=2, tensor_model_parallel_size=2), r"must divide the key heads"),
+    ]
+    if Version(megatron.core.__version__) < Version("0.19"):
+        cases = [(dict(context_parallel_size=2), r"needs megatron-core 0\.19\+")]
+    for given, message in cases:
+        with pytest.raises(LaunchError, match=r"config\.json: --context-parallel-size .*" + message):
+            check_context_parallel(argparse.Namespace(**given), hybrid("qwen3_5_moe"))
+    if Version(megatron.core.__version__) >= Version("0.19"):
+        check_context_parallel(argparse.Namespace(context_parallel_size=2), hybrid("qwen3_5"))
+    check_context_parallel(argparse.Namespace(context_parallel_size=2), checkpoints("qwen3"))  # dense
 
 
 def test_checkpoint_keys_are_those_a_te_model_loads(hybrid, megatron_single):

@@ -19,12 +19,14 @@ import threading
 import time
 from pathlib import Path
 
+import megatron.core
 import pytest
 import torch
 from conftest import free_port, torchrun
 from gpu_checks import Evidence, fp8_available
 from hybrid_models import make_hybrid_checkpoint
 from models import make_checkpoint
+from packaging.version import Version
 
 ROOT = os.environ.get("MEGATRON_LM_ROOT")
 pytestmark = [
@@ -618,6 +620,21 @@ def test_qwen3_cp2_two_gpus(e2e, single_gpu, flags):
     name = "qwen3-cp2-" + ("lora" if flags else "full")
     layout = ("--context-parallel-size", "2")
     train_and_check_layout(e2e, single_gpu, name, "qwen3", flags, layout, dp=1, nproc=2, cp=2)
+
+
+@two_gpus()
+@pytest.mark.skipif(
+    Version(megatron.core.__version__) < Version("0.19"),
+    reason="megatron-core 0.16's TransformerConfig refuses context parallelism for Gated DeltaNet layers",
+)
+@pytest.mark.parametrize("flags", [LORA, ()], ids=["lora", "full"])
+def test_hybrid_cp2_two_gpus(e2e, single_gpu, flags):
+    """Qwen3.5 (the multimodal checkpoint) at context parallel 2: its Gated DeltaNet layers trade sequence
+    chunks for heads (``twinkle_specs.gdn_cp``), its gated attention runs TE's context parallelism; the curve
+    against one GPU on the same tokens, the two ranks' trained parameters identical."""
+    name = "qwen3_5-cp2-" + ("lora" if flags else "full")
+    layout = ("--context-parallel-size", "2")
+    train_and_check_layout(e2e, single_gpu, name, "qwen3_5_vl", flags, layout, dp=1, nproc=2, cp=2)
 
 
 @four_gpus()

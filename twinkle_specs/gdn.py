@@ -10,7 +10,8 @@ backward, :func:`fla_backward_refused`, that kernel runs in torch: :mod:`twinkle
 otherwise megatron-core's torch reference of the chunked rule and a depthwise ``conv1d`` (the portable
 path, as the SDPA core attention is for attention). The output norm multiplies by ``w`` (not ``1 + w``),
 as transformers' ``RMSNormGated`` does, whatever ``layernorm_zero_centered_gamma`` says for the model's
-other norms.
+other norms. Under context parallelism the layer trades sequence chunks for heads around its token mixing
+(:mod:`twinkle_specs.gdn_cp`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from twinkle_specs import gdn_conv
+from twinkle_specs import gdn_conv, gdn_cp
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -125,15 +126,30 @@ class PlainRMSNorm(torch.nn.Module):
         )
 
 
-# Each context-parallel rank would run the recurrence over its own part of every sequence, starting from a
-# zero state: a different model, not an error. megatron-core 0.19's own module exchanges heads for sequence
-# (all-to-all) first; this one does not, so it refuses.
-NO_CONTEXT_PARALLEL = (
-    "--context-parallel-size > 1 with Gated DeltaNet layers (Qwen3-Next / Qwen3.5 linear_attention layers): "
-    "twinkle-specs' Gated DeltaNet has no context parallelism, and each rank would run the recurrence over "
-    "only its part of every sequence. Use --context-parallel-size 1 and split the model with "
-    "--tensor-model-parallel-size / --pipeline-model-parallel-size instead."
+# Context parallelism exchanges sequence chunks for heads (:mod:`.gdn_cp`): whole rows only (packed SFT rows
+# are partitioned differently), and every rank needs whole key and value heads.
+CP_PACKED_ROWS = (
+    "--context-parallel-size > 1 with packed sequences (--sft) on Gated DeltaNet layers (Qwen3-Next / Qwen3.5 "
+    "linear_attention layers): not supported; run --sft with --context-parallel-size 1 (split the model with "
+    "--tensor-model-parallel-size / --pipeline-model-parallel-size)"
 )
+
+
+def context_parallel_problem(
+    cp: int, tp: int, num_key_heads: int, num_value_heads: int, packed: bool = False
+) -> str | None:
+    """Why a Gated DeltaNet layer cannot run at context parallel ``cp`` (None: it can)."""
+    if cp == 1:
+        return None
+    if packed:
+        return CP_PACKED_ROWS
+    if (num_key_heads // tp) % cp or (num_value_heads // tp) % cp:
+        return (
+            f"--context-parallel-size {cp} with --tensor-model-parallel-size {tp}: each context-parallel rank "
+            f"runs whole Gated DeltaNet heads, so CP x TP must divide the key heads ({num_key_heads}, "
+            f"linear_num_key_heads) and the value heads ({num_value_heads}, linear_num_value_heads)"
+        )
+    return None
 
 
 class PortableGatedDeltaNet(GatedDeltaNet):
@@ -148,8 +164,14 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         **_: object,
     ) -> None:
         MegatronModule.__init__(self, config)
-        if config.context_parallel_size != 1:
-            raise ValueError(NO_CONTEXT_PARALLEL)
+        problem = context_parallel_problem(
+            config.context_parallel_size,
+            config.tensor_model_parallel_size,
+            config.linear_num_key_heads,
+            config.linear_num_value_heads,
+        )
+        if problem:
+            raise ValueError(problem)
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -214,6 +236,16 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         for p in (self.conv1d.weight, self.dt_bias, self.A_log):
             p.tensor_model_parallel = True
             p.partition_dim = 0
+        self.cp_size = config.context_parallel_size
+        if self.cp_size > 1:
+            cp_rank = pg_collection.cp.rank()
+            # in_proj's features in blocks of this rank's heads; the per-head parameters' rows of its heads
+            self._cp_order = gdn_cp.head_order(self.in_proj_split_sections, self.cp_size, device)
+            conv = (self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp)
+            self._cp_conv_rows = gdn_cp.local_rows(conv, self.cp_size, cp_rank, device)
+            self._cp_head_rows = gdn_cp.local_rows(
+                (self.num_v_heads_local_tp,), self.cp_size, cp_rank, device
+            )
         self.out_norm = build_module(
             submodules.out_norm, config=config, hidden_size=self.value_head_dim, eps=config.layernorm_epsilon
         )
@@ -238,10 +270,24 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         if kwargs.get("inference_context") is not None:
             raise NotImplementedError("Gated DeltaNet: inference is not supported")
         qkvzba, _ = self.in_proj(hidden_states)
+        if self.cp_size > 1:  # this rank's chunks, all heads -> the whole sequence, this rank's heads
+            if packed_seq_params is not None:
+                raise ValueError(CP_PACKED_ROWS)
+            qkvzba = gdn_cp.sequence_to_heads(qkvzba.index_select(-1, self._cp_order), self.pg_collection.cp)
         qkvzba = qkvzba.transpose(0, 1)  # [b, s, x]
         row = None if packed_seq_params is None else PackedRow.of(packed_seq_params, qkvzba)
-        out = self._mix(qkvzba, row)
-        return self.out_proj(out.transpose(0, 1).contiguous())
+        out = self._mix(qkvzba, row).transpose(0, 1)
+        if self.cp_size > 1:
+            out = gdn_cp.heads_to_sequence(out, self.pg_collection.cp)
+        return self.out_proj(out.contiguous())
+
+    def _per_head(self, param: torch.Tensor, rows: str) -> torch.Tensor:
+        """A per-head parameter, this context-parallel rank's rows of it (all of it without CP)."""
+        return param if self.cp_size == 1 else param.index_select(0, getattr(self, rows))
+
+    def _conv_weight(self) -> torch.Tensor:
+        """The depthwise convolution's [channels, kernel] weight, this context-parallel rank's channels."""
+        return self._per_head(self.conv1d.weight.squeeze(1), "_cp_conv_rows")
 
     def _mix(self, qkvzba: torch.Tensor, row: PackedRow | None = None) -> torch.Tensor:
         """The token mixing: in_proj's output [b, s, x] -> [b, s, v], over whole sequences, or over the
@@ -251,7 +297,11 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         query = query.reshape(batch, seq_len, -1, self.key_head_dim)
         key = key.reshape(batch, seq_len, -1, self.key_head_dim)
         value = value.reshape(batch, seq_len, -1, self.value_head_dim)
-        g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)
+        a_log, dt_bias = (
+            self._per_head(self.A_log, "_cp_head_rows"),
+            self._per_head(self.dt_bias, "_cp_head_rows"),
+        )
+        g = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias)
         beta = beta.sigmoid()
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, g, beta))
         rule = _fla_rule(needs_grad) if query.is_cuda and not self.config.deterministic_mode else None
@@ -292,9 +342,9 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         causal-conv1d, :mod:`twinkle_specs.gdn_conv` does the split and the convolution in one: q, k and v
         come out contiguous, and the backward writes every part's gradient into one gradient of in_proj's
         output (no copies, no concatenation)."""
-        tp = self.tp_size
-        qk, v, heads = self.qk_dim // tp, self.v_dim // tp, self.num_value_heads // tp
-        weight = self.conv1d.weight.squeeze(1)
+        split = self.tp_size * self.cp_size
+        qk, v, heads = self.qk_dim // split, self.v_dim // split, self.num_value_heads // split
+        weight = self._conv_weight()
         causal_conv1d = _causal_conv1d() if qkvzba.is_cuda and not self.config.deterministic_mode else None
         if causal_conv1d is None and gdn_conv.usable(qkvzba, weight, self.activation):
             starts = None if row is None else row.starts
@@ -306,14 +356,15 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         """The short convolution with its activation, [b, s, d] -> [b, s, d], each packed sequence from its own
         start: ``causal_conv1d`` (causal-conv1d's function, where installed and on CUDA), else torch's
         depthwise ``conv1d``, over a [b, d, s] copy."""
-        weight = self.conv1d.weight.squeeze(1)
+        weight = self._conv_weight()
         x = qkv.transpose(1, 2).contiguous()  # [b, d, s]
         if row is not None:  # (kernel - 1) zeros before each sequence: one convolution restarts at each
             places = row.places(self.conv_kernel_dim - 1)
             wide = x.shape[-1] + len(row.spans) * (self.conv_kernel_dim - 1)
             x = x.new_zeros(*x.shape[:2], wide).index_copy(2, places, x)
-        if causal_conv1d is None:
-            x = self.act_fn(self.conv1d(x)[..., : x.shape[-1]])
+        if causal_conv1d is None:  # self.conv1d's own computation, with this rank's channels
+            full = F.conv1d(x, weight.unsqueeze(1), padding=self.conv_kernel_dim - 1, groups=weight.shape[0])
+            x = self.act_fn(full[..., : x.shape[-1]])
         else:
             x = causal_conv1d(x=x, weight=weight, bias=None, activation=self.activation)
         if row is not None:

@@ -259,12 +259,28 @@ def check_architecture(args: argparse.Namespace, parser: argparse.ArgumentParser
 
 
 def check_context_parallel(args: argparse.Namespace, hf_dir: str | Path) -> None:
-    """Raises :class:`LaunchError` for context parallelism on a checkpoint with Gated DeltaNet layers, before
-    any rank builds a model (the layers refuse it too, for runs without the launcher)."""
-    if getattr(args, "context_parallel_size", 1) > 1 and qwen_arch_from_hf(hf_dir).hybrid is not None:
-        from .gdn import NO_CONTEXT_PARALLEL
+    """Raises :class:`LaunchError` for a context-parallel layout the checkpoint's Gated DeltaNet layers cannot
+    run, before any rank builds a model (the layers refuse it too, for runs without the launcher)."""
+    cp, hybrid = getattr(args, "context_parallel_size", 1), qwen_arch_from_hf(hf_dir).hybrid
+    if cp == 1 or hybrid is None:
+        return
+    import megatron.core
+    from packaging.version import Version
 
-        raise LaunchError(f"{Path(hf_dir) / 'config.json'}: {NO_CONTEXT_PARALLEL}")
+    from .gdn import context_parallel_problem
+
+    where = Path(hf_dir) / "config.json"
+    if Version(megatron.core.__version__) < Version("0.19"):
+        raise LaunchError(
+            f"{where}: --context-parallel-size {cp} with Gated DeltaNet layers needs megatron-core 0.19+ (0.16's "
+            f"TransformerConfig refuses it; megatron-core here is {megatron.core.__version__}): use "
+            "--context-parallel-size 1, or Megatron-LM core_v0.19"
+        )
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    packed = bool(getattr(args, "sft", False))
+    problem = context_parallel_problem(cp, tp, hybrid.num_key_heads, hybrid.num_value_heads, packed)
+    if problem:
+        raise LaunchError(f"{where}: {problem}")
 
 
 @dataclass
