@@ -34,7 +34,16 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine"),
     pytest.mark.skipif(not ROOT, reason="needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT"),
 ]
-LOSS_RTOL = 0.015  # bf16 training step vs transformers fp32 on the same tokens
+# A bf16 training step against transformers (fp32) on the same tokens, and an export's loss in transformers /
+# peft against Megatron's: at most 4.2e-4 relative over the committed runs (2026-11-24 to 2026-11-27).
+LOSS_RTOL = 2e-3
+# Runs that do the same arithmetic: CUDA graphs against eager, full recompute against none. Measured 0 (bit
+# for bit) in every committed run; the bound leaves room for a library's nondeterministic kernel, not more.
+SAME_RUN_RTOL = 1e-5
+# A resumed run against the uninterrupted one: bit for bit except, in each committed run, the second logged
+# iteration after the resume (7.8e-4 on one GPU 2026-11-24, 1.47e-3 at DP=2 under Ray 2026-11-27; the
+# iterations after it are bit for bit again, so the weights were equal).
+RESUME_RTOL = 2e-3
 MICRO_BATCH, GLOBAL_BATCH = 2, 4
 EVIDENCE = Evidence("launch-summary.json")
 
@@ -302,7 +311,7 @@ def test_lora_qwen3_save_resume_and_peft_export(e2e):
     EVIDENCE.record(
         "lora-qwen3-resume", resumed=resumed, straight={i: straight[i] for i in resumed}, peft_iter6=peft_loss
     )
-    assert max(diffs.values()) <= 2e-3, diffs
+    assert max(diffs.values()) <= RESUME_RTOL, diffs
     assert abs(resumed[6] - peft_loss) <= LOSS_RTOL * peft_loss, (resumed[6], peft_loss)
     saved = list((ck / "iter_0000005").glob("*"))
     assert saved, "no checkpoint written"
@@ -310,7 +319,7 @@ def test_lora_qwen3_save_resume_and_peft_export(e2e):
 
 def test_lora_full_recompute_trains_as_without(e2e):
     """LoRA at PP=1 with megatron's full recompute (every layer's forward replayed in backward): the losses
-    of 6 iterations equal those of the run without recompute (2e-3 relative, as a resumed run's). Adapters
+    of 6 iterations equal those of the run without recompute (SAME_RUN_RTOL). Adapters
     that got no gradient through the recomputed layers (a frozen embedding's output without grad made
     megatron's reentrant checkpoint return no graph) would leave the loss where it started."""
     hf, root = e2e["qwen3"], e2e["root"]
@@ -324,7 +333,7 @@ def test_lora_full_recompute_trains_as_without(e2e):
     )
     assert sorted(recomputed) == sorted(plain) == list(range(1, 7)), (recomputed, plain)
     assert recomputed[6] < recomputed[1], recomputed
-    assert max(diffs.values()) <= 2e-3, diffs
+    assert max(diffs.values()) <= SAME_RUN_RTOL, diffs
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -388,12 +397,12 @@ def test_lora_cuda_graphs_match_eager(e2e, lora_eager_qwen3, impl):
 
 def _check_graphs_match_eager(name: str, impl: str, graphs: dict, eager: dict, log: str) -> None:
     """A CUDA-graph run against its eager run: the capture logged, the same 8 iterations, every loss
-    within 2e-3 relative, and training (iteration 8 below iteration 1)."""
+    within SAME_RUN_RTOL, and training (iteration 8 below iteration 1)."""
     assert re.search(GRAPH_SIGN[impl], log), f"no CUDA-graph capture logged ({GRAPH_SIGN[impl]!r})"
     assert sorted(graphs) == sorted(eager) == list(range(1, 9)), (sorted(graphs), sorted(eager))
     diffs = relative_gaps(graphs, eager)
     EVIDENCE.record(name, graphs=graphs, eager=eager, max_rel=max(diffs.values()))
-    assert max(diffs.values()) <= 2e-3, diffs
+    assert max(diffs.values()) <= SAME_RUN_RTOL, diffs
     assert graphs[8] < graphs[1], graphs
 
 
@@ -466,8 +475,8 @@ RELAYOUT = {"tp2": ("--tensor-model-parallel-size", "2"), "dp2": ()}
 @pytest.mark.parametrize("saved,resumed", [("tp2", "dp2"), ("dp2", "tp2")])
 def test_lora_checkpoint_resumes_at_another_layout(e2e, saved, resumed):
     """An adapter-only checkpoint saved at iteration 5 on two GPUs at one layout (TP=2 or DP=2) resumes at
-    the other: iterations 6-8 against the uninterrupted run at the saved layout (1e-2 relative: the layouts'
-    own bf16 difference, as the layout tests allow)."""
+    the other: iterations 6-8 against the uninterrupted run at the saved layout (CURVE_RTOL: the layouts' own
+    bf16 difference, as the layout tests allow)."""
     hf, root = e2e["qwen3"], e2e["root"] / f"relayout-{saved}-{resumed}"
     lora = ["--mock-data", *LORA]
     ck = root / "ck"
@@ -504,7 +513,9 @@ def test_lora_checkpoint_resumes_at_another_layout(e2e, saved, resumed):
 # iteration 1, the single-GPU run of the same batches at every iteration, its own data-parallel
 # replicas (identical trained shards), and the export (transformers/peft on iteration 6's batches
 # reproduces Megatron's iteration-6 loss).
-CURVE_RTOL = 1e-2  # a parallel layout vs one GPU, bf16, per iteration over 6 iterations
+# A parallel layout against one GPU, bf16, per iteration: at most 8.2e-4 measured (an adapter-only checkpoint
+# resumed at another layout; DP=2 and CP=2 6e-5; 2026-11-27).
+CURVE_RTOL = 4e-3
 LORA = ("--lora-rank", "8", "--lora-alpha", "16")
 MOE = ("--moe-token-dispatcher-type", "alltoall")
 TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
@@ -938,12 +949,12 @@ def sbatch_command(hf: Path, *extra: str, iters: int = FAULT_ITERS) -> list[str]
 
 
 def check_resumed(name: str, after: dict[int, float], resumed_from: int, straight: dict[int, float], **extra):
-    """The restarted run logs every iteration after the checkpoint it resumed from, each within 2e-3 of the
-    uninterrupted run (as a resumed one-GPU run is checked)."""
+    """The restarted run logs every iteration after the checkpoint it resumed from, each within RESUME_RTOL
+    of the uninterrupted run (as a resumed one-GPU run is checked)."""
     assert sorted(after) == list(range(resumed_from + 1, FAULT_ITERS + 1)), (resumed_from, sorted(after))
     diffs = relative_gaps(after, straight)
     EVIDENCE.record(name, resumed_from=resumed_from, resumed=after, max_rel=max(diffs.values()), **extra)
-    assert max(diffs.values()) <= 2e-3, diffs
+    assert max(diffs.values()) <= RESUME_RTOL, diffs
 
 
 @two_gpus()
