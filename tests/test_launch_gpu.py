@@ -726,6 +726,10 @@ echo "scontrol stand-in: $*" >&2; exit 1
 """
 
 
+SCRIPTS = Path(__file__).resolve().parents[1] / "launch"
+SBATCH_SCRIPT, RAY_LAUNCH = SCRIPTS / "slurm" / "train.sbatch", SCRIPTS / "ray" / "launch.py"
+
+
 def sbatch_env(tmp: Path, ckpt: Path, launcher: str, dump_dir: Path | None) -> dict[str, str]:
     bin_dir = tmp / "bin"
     bin_dir.mkdir(exist_ok=True)
@@ -757,10 +761,9 @@ def test_sbatch_script_trains_lora_and_resumes_across_launch_modes(e2e, single_g
     hf, root = e2e["qwen3"], e2e["root"] / f"sbatch-{layout}"
     root.mkdir()
     ckpt, dump = root / "ckpt", root / "batches"
-    script = Path(__file__).resolve().parents[1] / "launch" / "slurm" / "train.sbatch"
     flags = [*train_flags(hf, 8), *SCRIPT_LAYOUTS[layout]]
     first, log1 = run_logged(
-        ["bash", str(script), *flags, "--exit-interval", "5"],
+        ["bash", str(SBATCH_SCRIPT), *flags, "--exit-interval", "5"],
         f"sbatch-torchrun-{layout}",
         sbatch_env(root, ckpt, "torchrun", dump),
     )
@@ -768,7 +771,9 @@ def test_sbatch_script_trains_lora_and_resumes_across_launch_modes(e2e, single_g
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
     check_script_run(f"sbatch-torchrun-lora-{layout}", layout, first, hf, dump, single_gpu, iters=8)
     resumed, log2 = run_logged(
-        ["bash", str(script), *flags], f"sbatch-srun-{layout}-resumed", sbatch_env(root, ckpt, "srun", None)
+        ["bash", str(SBATCH_SCRIPT), *flags],
+        f"sbatch-srun-{layout}-resumed",
+        sbatch_env(root, ckpt, "srun", None),
     )
     assert "srun, 1 node(s) x 2 rank(s)" in log2 and "resuming from" in log2, log2[-3000:]
     assert sorted(resumed) == [6, 7, 8], sorted(resumed)
@@ -776,10 +781,23 @@ def test_sbatch_script_trains_lora_and_resumes_across_launch_modes(e2e, single_g
     assert resumed[8] < first[1], (first, resumed)
 
 
-def ray_tmpdir() -> str:
-    """A Ray session directory of its own, short: Ray's socket paths below it must fit AF_UNIX's 107 bytes
-    (pytest's tmp_path does not leave room for them)."""
-    return tempfile.mkdtemp(prefix="ray", dir="/tmp")
+def ray_command(root: Path, flags: list[str], restarts: int = 0) -> list[str]:
+    """launch/ray/launch.py on a local Ray cluster of both GPUs, checkpoints and rank logs under ``root``,
+    ``flags`` the per-rank pretrain_gpt.py command."""
+    cmd = [sys.executable, str(RAY_LAUNCH), "--gpus-per-node", "2", "--num-cpus", "8", "--node-ip-address"]
+    cmd += ["127.0.0.1", "--ckpt-dir", str(root / "ckpt"), "--log-dir", str(root / "logs")]
+    cmd += ["--max-restarts", str(restarts), "--entry", f"{sys.executable} -m twinkle_specs.launch", "--"]
+    return cmd + flags
+
+
+def ray_env(root: Path, dump: Path | None = None) -> dict[str, str]:
+    """The driver's environment: its own short Ray session directory (Ray's socket paths below it must fit
+    AF_UNIX's 107 bytes, which pytest's tmp_path does not leave room for) and the run's mark (``rank_pid``)."""
+    return dump_env(dump) | {
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp"),
+        "TWINKLE_FAULT_MARK": root.name,
+    }
 
 
 @two_gpus()
@@ -793,20 +811,8 @@ def test_ray_script_trains_lora_on_two_gpus(e2e, single_gpu, layout):
     hf, root = e2e["qwen3"], e2e["root"] / f"ray-{layout}"
     root.mkdir()
     dump = root / "batches"
-    launch = Path(__file__).resolve().parents[1] / "launch" / "ray" / "launch.py"
-    env = dump_env(dump) | {"RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": ray_tmpdir()}
-    flags = [*train_flags(hf, 6), *SCRIPT_LAYOUTS[layout]]
-    cmd = [sys.executable, str(launch), "--gpus-per-node", "2", "--num-cpus", "8"]
-    cmd += [
-        "--node-ip-address",
-        "127.0.0.1",
-        "--ckpt-dir",
-        str(root / "ckpt"),
-        "--log-dir",
-        str(root / "logs"),
-    ]
-    cmd += ["--entry", f"{sys.executable} -m twinkle_specs.launch", "--", *flags]
-    losses, log = run_logged(cmd, f"ray-{layout}", env)
+    cmd = ray_command(root, [*train_flags(hf, 6), *SCRIPT_LAYOUTS[layout]])
+    losses, log = run_logged(cmd, f"ray-{layout}", ray_env(root, dump))
     ranks = sorted((root / "logs").glob("attempt_0/rank_*.log"))
     assert len(ranks) == 2, ranks
     check_script_run(f"ray-lora-{layout}", layout, losses, hf, dump, single_gpu, iters=6)
@@ -927,25 +933,9 @@ def uninterrupted(e2e) -> dict[int, float]:
     return pretrain(e2e["qwen3"], out, *FAULT_RUN, iters=FAULT_ITERS, nproc=2, dump=False)[0]
 
 
-def ray_command(hf: Path, root: Path, *extra: str, iters: int = FAULT_ITERS, restarts: int = 0) -> list[str]:
-    launch = Path(__file__).resolve().parents[1] / "launch" / "ray" / "launch.py"
-    cmd = [sys.executable, str(launch), "--gpus-per-node", "2", "--num-cpus", "8", "--node-ip-address"]
-    cmd += ["127.0.0.1", "--ckpt-dir", str(root / "ckpt"), "--log-dir", str(root / "logs")]
-    cmd += ["--max-restarts", str(restarts), "--entry", f"{sys.executable} -m twinkle_specs.launch", "--"]
-    return cmd + [*train_flags(hf, iters), *FAULT_RUN, *extra]
-
-
-def ray_env(root: Path) -> dict[str, str]:
-    return dump_env(None) | {
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_TMPDIR": ray_tmpdir(),
-        "TWINKLE_FAULT_MARK": root.name,
-    }
-
-
-def sbatch_command(hf: Path, *extra: str, iters: int = FAULT_ITERS) -> list[str]:
-    script = Path(__file__).resolve().parents[1] / "launch" / "slurm" / "train.sbatch"
-    return ["bash", str(script), *train_flags(hf, iters), *FAULT_RUN, *extra]
+def fault_flags(hf: Path, *extra: str, iters: int = FAULT_ITERS) -> list[str]:
+    """The per-rank command of the fault runs."""
+    return [*train_flags(hf, iters), *FAULT_RUN, *extra]
 
 
 def check_resumed(name: str, after: dict[int, float], resumed_from: int, straight: dict[int, float], **extra):
@@ -963,7 +953,7 @@ def test_ray_killed_rank_stops_the_job_and_the_restart_resumes(e2e, uninterrupte
     rank 1 and the signal within RAY_TEARDOWN_S, tears the group down, starts it again, and the restarted
     group resumes from the last checkpoint with the uninterrupted run's losses."""
     hf, root = e2e["qwen3"], e2e["root"] / "fault-ray-sigkill"
-    run = Watched(ray_command(hf, root, restarts=1), ray_env(root), "ray-sigkill")
+    run = Watched(ray_command(root, fault_flags(hf), restarts=1), ray_env(root), "ray-sigkill")
     wait_for_checkpoint(root / "ckpt", 10, run)
     victim = rank_pid(root.name, 1)
     killed = time.monotonic()
@@ -998,7 +988,7 @@ def test_sbatch_killed_rank_requeues_and_the_rerun_resumes(e2e, uninterrupted):
     root.mkdir()
     ckpt = root / "ckpt"
     env = sbatch_env(root, ckpt, "torchrun", None) | {"TWINKLE_FAULT_MARK": root.name}
-    run = Watched(sbatch_command(hf), env, "sbatch-sigkill")
+    run = Watched(["bash", str(SBATCH_SCRIPT), *fault_flags(hf)], env, "sbatch-sigkill")
     wait_for_checkpoint(ckpt, 10, run)
     victim = rank_pid(root.name, 1)
     killed = time.monotonic()
@@ -1009,7 +999,9 @@ def test_sbatch_killed_rank_requeues_and_the_rerun_resumes(e2e, uninterrupted):
     assert "requeueing job 4242 (restart 1 of at most 3), it resumes from" in log, log[-4000:]
     resumed_from = int(ckpt.joinpath("latest_checkpointed_iteration.txt").read_text())
     requeued = sbatch_env(root, ckpt, "torchrun", None) | {"SLURM_RESTART_COUNT": "1"}
-    after, log2 = run_logged(sbatch_command(hf), "fault-sbatch-requeued", requeued)
+    after, log2 = run_logged(
+        ["bash", str(SBATCH_SCRIPT), *fault_flags(hf)], "fault-sbatch-requeued", requeued
+    )
     assert f"resuming from {ckpt} (latest_checkpointed_iteration.txt: {resumed_from})" in log2, log2[-3000:]
     check_resumed(
         "fault-sbatch-sigkill", after, resumed_from, uninterrupted, step_ended_after_s=ended - killed
@@ -1027,11 +1019,13 @@ def test_stopped_rank_is_torn_down_after_the_distributed_timeout(e2e, launcher):
     hf, root = e2e["qwen3"], e2e["root"] / f"fault-{launcher}-sigstop"
     timeout = ("--distributed-timeout-minutes", str(HANG_TIMEOUT_MIN))
     if launcher == "ray":
-        run = Watched(ray_command(hf, root, *timeout, iters=200), ray_env(root), "ray-sigstop")
+        run = Watched(ray_command(root, fault_flags(hf, *timeout, iters=200)), ray_env(root), "ray-sigstop")
     else:
         root.mkdir()
         env = sbatch_env(root, root / "ckpt", "torchrun", None) | {"TWINKLE_FAULT_MARK": root.name}
-        run = Watched(sbatch_command(hf, *timeout, iters=200), env, "sbatch-sigstop")
+        run = Watched(
+            ["bash", str(SBATCH_SCRIPT), *fault_flags(hf, *timeout, iters=200)], env, "sbatch-sigstop"
+        )
     wait_for_checkpoint(root / "ckpt", 10, run)
     victim = rank_pid(root.name, 1)
     stopped = time.monotonic()

@@ -155,17 +155,13 @@ def test_te_lora_matches_peft(kind, targets, extra, dtype, lora_checkpoints, gpu
 def test_te_bf16_training_with_full_recompute(lora_checkpoints, gpu):
     from test_lora_support import VOCAB, tokens
 
-    import twinkle_specs as ts
-    from twinkle_specs import LoraConfig, merge_lora, unmerge_lora
+    from twinkle_specs import merge_lora, unmerge_lora
     from twinkle_specs.lora import adapter_parameters
     from twinkle_specs.parallel import is_adapter_param
 
     hf = lora_checkpoints("qwen3")
-    model = ts.build_model(
+    model = _bf16_lora_model(
         hf,
-        lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
-        params_dtype=torch.bfloat16,
-        bf16=True,
         recompute_granularity="full",
         recompute_method="uniform",
         recompute_num_layers=1,
@@ -241,20 +237,28 @@ def _qwen3_moe_lora_bf16(lora_checkpoints, **overrides) -> tuple:
     (B != 0: they change the output and get full gradients), and 64 tokens with their positions."""
     from test_lora_support import randomize_megatron, tokens
 
-    import twinkle_specs as ts
-    from twinkle_specs import LoraConfig
-
-    model = ts.build_model(
+    model = _bf16_lora_model(
         lora_checkpoints("qwen3_moe"),
-        lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
-        params_dtype=torch.bfloat16,
-        bf16=True,
         moe_grouped_gemm=True,
         **overrides,
     )
     randomize_megatron(model)
     toks = tokens(s=64).cuda()
     return model, toks, torch.arange(toks.shape[1], device="cuda").expand_as(toks)
+
+
+def _bf16_lora_model(checkpoint, **overrides):
+    """The model these tests train: LoRA r=8 (alpha 16) on every linear, bf16 parameters and compute."""
+    import twinkle_specs as ts
+    from twinkle_specs import LoraConfig
+
+    return ts.build_model(
+        checkpoint,
+        lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        **overrides,
+    )
 
 
 def _next_token_loss(model, toks: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -410,8 +414,6 @@ def test_te_fp8_lora_keeps_its_fused_paths(kind, lora_checkpoints, gpu, monkeypa
     from test_lora_support import randomize_megatron, tokens
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
-    import twinkle_specs as ts
-    from twinkle_specs import LoraConfig
     from twinkle_specs.lora import adapter_parameters, te_layers
 
     ok, why = FP8GlobalStateManager.is_fp8_available()
@@ -429,11 +431,8 @@ def test_te_fp8_lora_keeps_its_fused_paths(kind, lora_checkpoints, gpu, monkeypa
     fp8 = {"fp8": "hybrid", "fp8_recipe": "delayed"} | ({pad: True} if moe else {})
 
     def run(**overrides) -> tuple:
-        model = ts.build_model(
+        model = _bf16_lora_model(
             lora_checkpoints(kind),
-            lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
-            params_dtype=torch.bfloat16,
-            bf16=True,
             **fused,
             **overrides,
         )
@@ -471,15 +470,10 @@ def _train_fp8_lora(checkpoint, recipe: str, iterations: int, events: list, **ov
     megatron's FP8 (``fp8="hybrid"``, ``recipe``); ``events`` is emptied before each iteration."""
     from test_lora_support import randomize_megatron, tokens
 
-    import twinkle_specs as ts
-    from twinkle_specs import LoraConfig
     from twinkle_specs.lora import adapter_parameters
 
-    model = ts.build_model(
+    model = _bf16_lora_model(
         checkpoint,
-        lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
-        params_dtype=torch.bfloat16,
-        bf16=True,
         fp8="hybrid",
         fp8_recipe=recipe,
         **overrides,

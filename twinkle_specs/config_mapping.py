@@ -348,7 +348,8 @@ def flag_values(tokens: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def _installed_megatron_core() -> str:
+def installed_megatron_core() -> str:
+    """The version of the megatron-core this process imports (a checkout on PYTHONPATH counts)."""
     import megatron.core
 
     return megatron.core.__version__
@@ -365,7 +366,7 @@ def megatron_args_from_hf(hf_dir: str | Path, *, megatron_version: str | None = 
     if arch.yarn is not None:
         from packaging.version import Version
 
-        version = megatron_version or _installed_megatron_core()
+        version = megatron_version or installed_megatron_core()
         if Version(version) < Version(YARN_MIN_MEGATRON):
             raise UnsupportedConfigError(
                 f"{Path(hf_dir) / 'config.json'}: {arch.yarn.field}.rope_type='yarn' needs Megatron-LM "

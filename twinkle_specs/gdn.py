@@ -237,9 +237,11 @@ class PortableGatedDeltaNet(GatedDeltaNet):
             p.tensor_model_parallel = True
             p.partition_dim = 0
         self.cp_size = config.context_parallel_size
+        # Context parallel: in_proj's features in blocks of each rank's heads, and the rows of the per-head
+        # parameters (the convolution's channels, A_log, dt_bias) that this rank's heads use.
+        self._cp_order = self._cp_conv_rows = self._cp_head_rows = None
         if self.cp_size > 1:
             cp_rank = pg_collection.cp.rank()
-            # in_proj's features in blocks of this rank's heads; the per-head parameters' rows of its heads
             self._cp_order = gdn_cp.head_order(self.in_proj_split_sections, self.cp_size, device)
             conv = (self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp)
             self._cp_conv_rows = gdn_cp.local_rows(conv, self.cp_size, cp_rank, device)
@@ -281,13 +283,10 @@ class PortableGatedDeltaNet(GatedDeltaNet):
             out = gdn_cp.heads_to_sequence(out, self.pg_collection.cp)
         return self.out_proj(out.contiguous())
 
-    def _per_head(self, param: torch.Tensor, rows: str) -> torch.Tensor:
-        """A per-head parameter, this context-parallel rank's rows of it (all of it without CP)."""
-        return param if self.cp_size == 1 else param.index_select(0, getattr(self, rows))
-
-    def _conv_weight(self) -> torch.Tensor:
-        """The depthwise convolution's [channels, kernel] weight, this context-parallel rank's channels."""
-        return self._per_head(self.conv1d.weight.squeeze(1), "_cp_conv_rows")
+    @staticmethod
+    def _rows(param: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """``param``'s ``rows`` (this context-parallel rank's heads), all of it where ``rows`` is None."""
+        return param if rows is None else param.index_select(0, rows)
 
     def _mix(self, qkvzba: torch.Tensor, row: PackedRow | None = None) -> torch.Tensor:
         """The token mixing: in_proj's output [b, s, x] -> [b, s, v], over whole sequences, or over the
@@ -297,10 +296,7 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         query = query.reshape(batch, seq_len, -1, self.key_head_dim)
         key = key.reshape(batch, seq_len, -1, self.key_head_dim)
         value = value.reshape(batch, seq_len, -1, self.value_head_dim)
-        a_log, dt_bias = (
-            self._per_head(self.A_log, "_cp_head_rows"),
-            self._per_head(self.dt_bias, "_cp_head_rows"),
-        )
+        a_log, dt_bias = (self._rows(p, self._cp_head_rows) for p in (self.A_log, self.dt_bias))
         g = -a_log.float().exp() * F.softplus(alpha.float() + dt_bias)
         beta = beta.sigmoid()
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, g, beta))
@@ -344,19 +340,21 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         output (no copies, no concatenation)."""
         split = self.tp_size * self.cp_size
         qk, v, heads = self.qk_dim // split, self.v_dim // split, self.num_value_heads // split
-        weight = self._conv_weight()
+        weight = self._rows(self.conv1d.weight.squeeze(1), self._cp_conv_rows)  # [channels, kernel]
         causal_conv1d = _causal_conv1d() if qkvzba.is_cuda and not self.config.deterministic_mode else None
         if causal_conv1d is None and gdn_conv.usable(qkvzba, weight, self.activation):
             starts = None if row is None else row.starts
             return gdn_conv.split_conv_silu(qkvzba, weight, (qk, qk, v, v, heads, heads), starts)
         qkv, gate, beta, alpha = torch.split(qkvzba, [2 * qk + v, v, heads, heads], dim=-1)
-        return (*torch.split(self._conv(qkv, row, causal_conv1d), [qk, qk, v], dim=-1), gate, beta, alpha)
+        conv = self._conv(qkv, weight, row, causal_conv1d)
+        return (*torch.split(conv, [qk, qk, v], dim=-1), gate, beta, alpha)
 
-    def _conv(self, qkv: torch.Tensor, row: PackedRow | None, causal_conv1d) -> torch.Tensor:
-        """The short convolution with its activation, [b, s, d] -> [b, s, d], each packed sequence from its own
-        start: ``causal_conv1d`` (causal-conv1d's function, where installed and on CUDA), else torch's
-        depthwise ``conv1d``, over a [b, d, s] copy."""
-        weight = self._conv_weight()
+    def _conv(
+        self, qkv: torch.Tensor, weight: torch.Tensor, row: PackedRow | None, causal_conv1d
+    ) -> torch.Tensor:
+        """The short convolution (``weight`` [channels, kernel]) with its activation, [b, s, d] -> [b, s, d],
+        each packed sequence from its own start: ``causal_conv1d`` (causal-conv1d's function, where installed
+        and on CUDA), else torch's depthwise ``conv1d``, over a [b, d, s] copy."""
         x = qkv.transpose(1, 2).contiguous()  # [b, d, s]
         if row is not None:  # (kernel - 1) zeros before each sequence: one convolution restarts at each
             places = row.places(self.conv_kernel_dim - 1)

@@ -37,7 +37,7 @@ from typing import NoReturn
 
 import torch
 
-from .config_mapping import architecture_settings, flag_values, megatron_args_from_hf
+from .config_mapping import architecture_settings, flag_values, installed_megatron_core, megatron_args_from_hf
 from .hf_config import qwen_arch_from_hf
 
 # Checkpoint-derived flags a user may override (precision, regularisation, padding, aux loss).
@@ -264,17 +264,16 @@ def check_context_parallel(args: argparse.Namespace, hf_dir: str | Path) -> None
     cp, hybrid = getattr(args, "context_parallel_size", 1), qwen_arch_from_hf(hf_dir).hybrid
     if cp == 1 or hybrid is None:
         return
-    import megatron.core
     from packaging.version import Version
 
     from .gdn import context_parallel_problem
 
-    where = Path(hf_dir) / "config.json"
-    if Version(megatron.core.__version__) < Version("0.19"):
+    where, version = Path(hf_dir) / "config.json", installed_megatron_core()
+    if Version(version) < Version("0.19"):
         raise LaunchError(
             f"{where}: --context-parallel-size {cp} with Gated DeltaNet layers needs megatron-core 0.19+ (0.16's "
-            f"TransformerConfig refuses it; megatron-core here is {megatron.core.__version__}): use "
-            "--context-parallel-size 1, or Megatron-LM core_v0.19"
+            f"TransformerConfig refuses it; megatron-core here is {version}): use --context-parallel-size 1, "
+            "or Megatron-LM core_v0.19"
         )
     tp = getattr(args, "tensor_model_parallel_size", 1)
     packed = bool(getattr(args, "sft", False))
