@@ -80,15 +80,16 @@ def test_scale_kernel_is_te_compute_scale_from_amax():
     assert all(err == 0.0 for err in errors.values()), {k: e for k, e in errors.items() if e}
 
 
-def test_nothing_is_offered_unless_asked(monkeypatch):
-    """Off by default; asked for where Transformer Engine cannot run (this CPU host), still nothing: TE
-    quantizes as before."""
+def test_nothing_is_offered_when_turned_off_or_without_te_fp8(monkeypatch):
+    """``TWINKLE_FP8_SWIGLU_AMAX=0`` offers nothing; on by default, a module that is no TE linear under FP8
+    current scaling (here a torch Linear outside any FP8 autocast) gets nothing either: TE quantizes as before."""
     layer = torch.nn.Linear(4, 4)
-    monkeypatch.delenv(fp8_amax.ENV, raising=False)
+    monkeypatch.setenv(fp8_amax.ENV, "0")
+    assert fp8_amax.swiglu_fp8(layer, layer) is None
+    monkeypatch.delenv(fp8_amax.ENV)
     assert fp8_amax.swiglu_fp8(layer, layer) is None
     monkeypatch.setenv(fp8_amax.ENV, "1")
-    if importlib.util.find_spec("transformer_engine") is None:
-        assert fp8_amax.swiglu_fp8(layer, layer) is None
+    assert fp8_amax.swiglu_fp8(layer, layer) is None
 
 
 if __name__ == "__main__":

@@ -575,11 +575,12 @@ def test_te_fp8_known_amax_cast_is_te_current_scaling(gpu):
 
 
 def test_te_fp8_lora_swiglu_amax_trains_as_te_current_scaling(lora_checkpoints, gpu, monkeypatch):
-    """``TWINKLE_FP8_SWIGLU_AMAX=1`` under FP8 current scaling (``--fp8-recipe tensorwise``): every dense
+    """The SwiGLU kernels' amax (on by default) under FP8 current scaling (``--fp8-recipe tensorwise``): every dense
     MLP hands fc2's base SwiGLU's output and fc1's base its output gradient as FP8 tensors cast with the
     kernels' amax (counted: the gradient from the first iteration on, fc2's input from the second, once
     fc2 has set up its quantizers), and 3 training iterations' losses and adapter gradients equal those of
-    TE taking every amax itself (1e-3 relative: the two runs' own nondeterminism; the casts are the same)."""
+    TE taking every amax itself (``TWINKLE_FP8_SWIGLU_AMAX=0``; 1e-3 relative: the two runs' own
+    nondeterminism; the casts are the same)."""
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
     from twinkle_specs.lora import fp8_amax
@@ -596,9 +597,9 @@ def test_te_fp8_lora_swiglu_amax_trains_as_te_current_scaling(lora_checkpoints, 
     def train() -> tuple:
         return _train_fp8_lora(lora_checkpoints("qwen3"), "tensorwise", 3, casts, bias_activation_fusion=True)
 
-    monkeypatch.delenv(fp8_amax.ENV, raising=False)
+    monkeypatch.setenv(fp8_amax.ENV, "0")
     te_losses, te_grads, te_counts, model = train()
-    monkeypatch.setenv(fp8_amax.ENV, "1")
+    monkeypatch.delenv(fp8_amax.ENV)
     losses, grads, counts, _ = train()
     layers = model.config.num_layers
     EVIDENCE.record("fp8_swiglu_amax", losses=losses, te_losses=te_losses, casts=counts)

@@ -10,10 +10,10 @@ quotient, the power-of-two option), and TE's per-tensor cast (the cast of its de
 which takes a given scale) makes the FP8 tensor, which TE's linears take as they take their own: the same
 scale and the same cast kernel, so the same FP8 values as TE's current scaling, one read fewer per tensor.
 
-Opt-in, ``TWINKLE_FP8_SWIGLU_AMAX=1``: a cast applies where TE's recipe in force is current scaling, the
-linear has set up its quantizers for it (its first FP8 forward), its weight is frozen (no weight gradient:
-the FP8 tensor needs only its row-wise data) and its quantizer reduces no amax across ranks. Elsewhere
-TE quantizes as before.
+On by default (``TWINKLE_FP8_SWIGLU_AMAX=0`` turns it off): a cast applies where TE's recipe in force is
+current scaling, the linear has set up its quantizers for it (its first FP8 forward), its weight is frozen
+(no weight gradient: the FP8 tensor needs only its row-wise data, where TE's own gradient cast also writes
+the column-wise copy) and its quantizer reduces no amax across ranks. Elsewhere TE quantizes as before.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def swiglu_fp8(fc1: torch.nn.Module, fc2: torch.nn.Module | None) -> SwigluFp8 |
     """The casts that apply to this forward of a LoRA MLP (see the module docstring), or None: fc1's
     output gradient, and fc2's input where ``fc2`` (the linear that takes SwiGLU's output as its base
     input) is given."""
-    if os.environ.get(ENV) != "1" or triton is None:
+    if os.environ.get(ENV, "1") == "0" or triton is None:
         return None
     grad = _quantizer(fc1, "scaling_bwd")
     cast_in = _quantizer(fc2, "scaling_fwd") if fc2 is not None else None

@@ -174,7 +174,8 @@ if triton is not None:
             a2s = (a2.to(tl.float32) * S2).to(a2.dtype)
             acc_a2 = tl.zeros([BR2, BF], dtype=tl.float32)
         dtype = dy_ptr.dtype.element_ty
-        if AMAX:  # a running maximum per F column: a [BT, BF] one costs the kernel ~60 % (registers)
+        if AMAX:  # a running maximum per column: one per tile element made the kernel 57 % slower
+            # (459 against 292 us at the Qwen3-8B shape, H100); this one 2 % (298 us)
             acc_mx = tl.zeros([BF], dtype=tl.float32)
         start = chunk * TCH
         for t0 in range(0, TCH, BT):
