@@ -2,7 +2,7 @@
 
 On CPU: the scale kernel under the Triton interpreter against a transcription of Transformer Engine's
 ``compute_scale_from_amax`` (transformer_engine/common/recipe/recipe_common.cuh, TE 2.11), exactly; and
-that nothing is offered unless asked for. The casts against TE's own current scaling, bit for bit, and a
+when the casts are offered (on by default, off with ``TWINKLE_FP8_SWIGLU_AMAX=0``). The casts against TE's own current scaling, bit for bit, and a
 LoRA model trained with them: tests/test_lora_gpu.py.
 """
 
@@ -88,8 +88,25 @@ def test_nothing_is_offered_when_turned_off_or_without_te_fp8(monkeypatch):
     assert fp8_amax.swiglu_fp8(layer, layer) is None
     monkeypatch.delenv(fp8_amax.ENV)
     assert fp8_amax.swiglu_fp8(layer, layer) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_casts_are_offered_by_default_where_te_has_a_quantizer(monkeypatch):
+    """Where TE's linears have a current-scaling quantizer that a known-amax cast can stand in for (here
+    stood in by a marker), the casts are offered unless ``TWINKLE_FP8_SWIGLU_AMAX=0``: fc1's gradient always,
+    fc2's input only where fc2 is given."""
+    fc1, fc2 = torch.nn.Linear(4, 8), torch.nn.Linear(4, 4)
+    quantizers = {(fc1, "scaling_bwd"): "fc1-grad", (fc2, "scaling_fwd"): "fc2-input"}
+    monkeypatch.setattr(fp8_amax, "_quantizer", lambda module, kind: quantizers.get((module, kind)))
+    monkeypatch.delenv(fp8_amax.ENV, raising=False)
+    casts = fp8_amax.swiglu_fp8(fc1, fc2)
+    assert casts is not None and (casts.grad.like, casts.input.like) == ("fc1-grad", "fc2-input")
+    only_grad = fp8_amax.swiglu_fp8(fc1, None)
+    assert only_grad is not None and only_grad.input is None and only_grad.grad.like == "fc1-grad"
     monkeypatch.setenv(fp8_amax.ENV, "1")
-    assert fp8_amax.swiglu_fp8(layer, layer) is None
+    assert fp8_amax.swiglu_fp8(fc1, fc2) is not None
+    monkeypatch.setenv(fp8_amax.ENV, "0")
+    assert fp8_amax.swiglu_fp8(fc1, fc2) is None
 
 
 if __name__ == "__main__":
