@@ -107,25 +107,32 @@ def _best_peer(by_variant: dict[str, dict], fp8: bool = False) -> dict[str, Any]
     framework's fastest configuration (``peer_tokens_per_s``) and (c) over the best, (c) at its fastest
     configuration (``ours_configuration``: eager or a ``configuration_of`` it, such as CUDA graphs), as
     each peer is taken at its fastest; ``fp8``: the same among the peers on an FP8 base, against (h),
-    under keys prefixed ``fp8_``."""
-    peers = [
-        r
-        for r in by_variant.values()
-        if r.get("peer") and r.get("tokens_per_s_per_gpu") and bool(r.get("fp8")) == fp8
-    ]
-    if not peers:
-        return {}
-    fastest: dict[str, dict] = {}
-    for r in peers:
-        if r["tokens_per_s_per_gpu"] > fastest.get(r["peer"], {}).get("tokens_per_s_per_gpu", 0.0):
-            fastest[r["peer"]] = r
-    best = max(fastest.values(), key=lambda r: r["tokens_per_s_per_gpu"])
+    under keys prefixed ``fp8_``. A peer row that trains another number of parameters than (c) trains other
+    adapters: it is listed (``peers_with_other_adapters``: variant -> trainable parameters), never compared."""
+    prefix = "fp8_" if fp8 else ""
     base = "twinkle_lora_fp8" if fp8 else "twinkle_lora"
     configurations = [
         r for r in by_variant.values() if configuration_of(r) == base and r.get("tokens_per_s_per_gpu")
     ]
     fastest_ours = max(configurations, key=lambda r: r["tokens_per_s_per_gpu"], default={})
-    ours = fastest_ours.get("tokens_per_s_per_gpu")
+    ours, trainable = fastest_ours.get("tokens_per_s_per_gpu"), fastest_ours.get("trainable_params")
+    peers, other = [], {}
+    for r in by_variant.values():
+        if not (r.get("peer") and r.get("tokens_per_s_per_gpu") and bool(r.get("fp8")) == fp8):
+            continue
+        if trainable and r.get("trainable_params") and r["trainable_params"] != trainable:
+            other[r["variant"]] = r["trainable_params"]
+        else:
+            peers.append(r)
+    listed = {f"{prefix}peers_with_other_adapters": other, f"{prefix}ours_trainable_params": trainable}
+    listed = listed if other else {}
+    if not peers:
+        return listed
+    fastest: dict[str, dict] = {}
+    for r in peers:
+        if r["tokens_per_s_per_gpu"] > fastest.get(r["peer"], {}).get("tokens_per_s_per_gpu", 0.0):
+            fastest[r["peer"]] = r
+    best = max(fastest.values(), key=lambda r: r["tokens_per_s_per_gpu"])
     out = {
         "best_peer": best["variant"],
         "best_peer_framework": best["peer"],
@@ -134,10 +141,12 @@ def _best_peer(by_variant: dict[str, dict], fp8: bool = False) -> dict[str, Any]
         "ours_configuration": fastest_ours.get("variant"),
     }
     if fp8:  # reported, no target
-        return {f"fp8_{k}": v for k, v in out.items()} | {
-            FP8_BEST_PEER_RATIO: ours / best["tokens_per_s_per_gpu"] if ours else None
-        }
-    return out | {BEST_PEER_RATIO: ours / best["tokens_per_s_per_gpu"] if ours else None}
+        return (
+            {f"fp8_{k}": v for k, v in out.items()}
+            | listed
+            | {FP8_BEST_PEER_RATIO: ours / best["tokens_per_s_per_gpu"] if ours else None}
+        )
+    return out | listed | {BEST_PEER_RATIO: ours / best["tokens_per_s_per_gpu"] if ours else None}
 
 
 def _paired(num: dict[str, Any], den: dict[str, Any]) -> list[float] | None:
@@ -263,6 +272,12 @@ def peer_lines(ratio_table: dict[str, dict]) -> list[str]:
     lines = []
     for group, row in ratio_table.items():
         for prefix, ours, ratio in (("", "(c)", BEST_PEER_RATIO), ("fp8_", "(h)", FP8_BEST_PEER_RATIO)):
+            if other := row.get(f"{prefix}peers_with_other_adapters"):
+                each = ", ".join(f"`{v}` {n:,}" for v, n in other.items())
+                lines.append(
+                    f"- {group}{' FP8' if prefix else ''}: not compared, other adapters (trainable parameters "
+                    f"against {ours}'s {row[f'{prefix}ours_trainable_params']:,}): {each}"
+                )
             if not row.get(f"{prefix}best_peer"):
                 continue
             configuration = row[f"{prefix}peer_configuration"]

@@ -885,6 +885,33 @@ def _row(variant: str, tokens_per_s: float, **extra) -> dict:
     return base | {"variant": variant, "tokens_per_s_per_gpu": tokens_per_s, "device": "NVIDIA H100"} | extra
 
 
+def test_report_never_compares_a_peer_that_trains_other_adapters():
+    """A peer row that trains another number of parameters than (c) trains other adapters (Unsloth on
+    Qwen3-MoE: no router adapter and rank r on the fused gate/up, where peft and (c) take 2r): it is listed,
+    and left out of the best peer and the ratio; a peer training (c)'s count still counts."""
+    results = [
+        _row("twinkle_lora_graphs", 17000.0, trainable_params=747, configuration_of="twinkle_lora"),
+        _row("unsloth_lora", 20000.0, trainable_params=481, peer="Unsloth"),
+        _row("hf_peft_lora_bf16", 9000.0, trainable_params=747, peer="transformers + PEFT"),
+    ]
+    group = "qwen3-8b-L36 seq4096 mbs1"
+    row = report.summarize({"results": results})["ratios"][group]
+    assert (row["best_peer"], row["peer_tokens_per_s"]) == (
+        "hf_peft_lora_bf16",
+        {"transformers + PEFT": 9000.0},
+    )
+    assert row["c_over_best_peer_tokens_per_s"] == pytest.approx(17000 / 9000)
+    assert row["peers_with_other_adapters"] == {"unsloth_lora": 481}
+    (line,) = [x for x in report.peer_lines({group: row}) if "not compared" in x]
+    assert "`unsloth_lora` 481" in line and "(c)'s 747" in line
+    # the only peer trains other adapters: no best peer, no ratio, nothing judged against 1.3
+    doc = report.summarize({"results": results[:2]})
+    row = doc["ratios"][group]
+    assert "best_peer" not in row and row.get("c_over_best_peer_tokens_per_s") is None
+    assert row["peers_with_other_adapters"] == {"unsloth_lora": 481}
+    assert not [c for c in doc["targets"] if c["target"].startswith("c_over_best_peer")]
+
+
 def test_report_best_peer_across_frameworks():
     """Every framework's fastest configuration is its peer, the fastest of those the group's best peer;
     (c) over it is judged against 1.3; groups of another global batch are kept apart."""
