@@ -11,8 +11,12 @@ The fix is 0.19's own device path, backported: the norm is a CUDA tensor and the
 by ``min(1, max_norm / (norm + 1e-6))`` on the GPU. That multiply reads and writes every gradient even when
 nothing needs clipping (the host path skips it), so it is taken only when the gradients being clipped hold
 at most :data:`DEVICE_CLIP_MAX_NUMEL` elements, an adapter's optimizer: 2**27 fp32 gradients are a
-0.3 ms pass on an H100, below the wait it removes. A full fine-tune's billions of gradients keep upstream's
-host path. Only the 2-norm, the one megatron's optimizers use, has the device path.
+0.3 ms pass on an H100, below the wait it removes. Larger sets (a full fine-tune, adapters on many routed
+experts) keep upstream's host path: the norm comes back as a float, and clipping multiplies only when it
+clips. Their norm is still taken here, in one multi-tensor pass and one sync: megatron-core 0.19 imports
+``multi_tensor_scale_tensor`` with TE's multi-tensor kernels, so without it (TE 2.11) and without apex it
+falls back to ``local_multi_tensor_l2_norm``, which turns every gradient's norm into a Python float: a host
+sync per gradient tensor. Only the 2-norm, the one megatron's optimizers use, is taken here.
 """
 
 from __future__ import annotations
@@ -48,16 +52,18 @@ def _local_grads(grads: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], obj
 
 
 def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
-    """Upstream's ``get_grad_norm_fp32``, returning the 2-norm of a small gradient set as a one-element
-    tensor on the gradients' device: upstream's collectives in the same order, torch's foreach norm in
-    place of TE's multi-tensor one (they agree to 1e-7 relative, tests/test_patches_gpu.py), no ``.item()``."""
+    """Upstream's ``get_grad_norm_fp32`` for the 2-norm: upstream's collectives in the same order, torch's
+    foreach norm in place of TE's multi-tensor one (they agree to 1e-7 relative, tests/test_patches_gpu.py).
+    A set of at most :data:`DEVICE_CLIP_MAX_NUMEL` elements gets its norm as a one-element tensor on the
+    gradients' device (no ``.item()``); a larger one as a float, as upstream's host path returns it."""
     if isinstance(grads_for_norm, torch.Tensor):
         grads_for_norm = [grads_for_norm]
     grads_for_norm = list(grads_for_norm)
-    if float(norm_type) != 2.0 or sum(g.numel() for g in grads_for_norm) > DEVICE_CLIP_MAX_NUMEL:
+    if float(norm_type) != 2.0:
         from megatron.core.optimizer import clip_grads
 
         return clip_grads.get_grad_norm_fp32(grads_for_norm, norm_type, grad_stats_parallel_group)
+    on_host = sum(g.numel() for g in grads_for_norm) > DEVICE_CLIP_MAX_NUMEL
     grads, dp_group = _local_grads(grads_for_norm)
     if grads:
         total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum().reshape(1)
@@ -67,7 +73,7 @@ def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=No
     if dp_group:
         torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=dp_group)
     torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group)
-    return total.sqrt()
+    return total.sqrt().item() if on_host else total.sqrt()
 
 
 def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
