@@ -124,8 +124,11 @@ def _best_peer(by_variant: dict[str, dict], fp8: bool = False) -> dict[str, Any]
             other[r["variant"]] = r["trainable_params"]
         else:
             peers.append(r)
-    listed = {f"{prefix}peers_with_other_adapters": other, f"{prefix}ours_trainable_params": trainable}
-    listed = listed if other else {}
+    listed = (
+        {f"{prefix}peers_with_other_adapters": other, f"{prefix}ours_trainable_params": trainable}
+        if other
+        else {}
+    )
     if not peers:
         return listed
     fastest: dict[str, dict] = {}

@@ -12,8 +12,8 @@ scale and the same cast kernel, so the same FP8 values as TE's current scaling, 
 
 On by default (``TWINKLE_FP8_SWIGLU_AMAX=0`` turns it off): a cast applies where TE's recipe in force is
 current scaling, the linear has set up its quantizers for it (its first FP8 forward), its weight is frozen
-(no weight gradient: the FP8 tensor needs only its row-wise data, where TE's own gradient cast also writes
-the column-wise copy) and its quantizer reduces no amax across ranks. Elsewhere TE quantizes as before.
+(no weight gradient: the FP8 tensor needs only its row-wise data) and its quantizer reduces no amax across
+ranks. Elsewhere TE quantizes as before.
 """
 
 from __future__ import annotations
