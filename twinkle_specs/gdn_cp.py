@@ -11,6 +11,8 @@ land in the slice, and megatron sums them over the data- and context-parallel ra
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from megatron.core.tensor_parallel.mappings import all_to_all
 
@@ -18,7 +20,7 @@ from megatron.core.tensor_parallel.mappings import all_to_all
 def head_order(sections: tuple[int, ...], cp: int, device: torch.device | str) -> torch.Tensor:
     """Feature order that puts part ``c`` of every section (in section order) in the ``c``-th of ``cp``
     equal blocks, so that one all-to-all over blocks sends each rank its heads of every section."""
-    starts = torch.tensor([0, *sections], device=device).cumsum(0)[:-1].tolist()
+    starts = list(itertools.accumulate(sections, initial=0))[:-1]
     return torch.cat(
         [
             torch.arange(start + c * (size // cp), start + (c + 1) * (size // cp), device=device)
@@ -54,8 +56,7 @@ def heads_to_sequence(y: torch.Tensor, group) -> torch.Tensor:
     chunks, every rank's heads in rank order."""
     cp = group.size()
     s, b, width = y.shape
-    order = _natural_order(cp, s // (2 * cp), y.device)
-    by_rank = torch.empty_like(order).scatter_(0, order, torch.arange(s, device=y.device))
+    by_rank = torch.argsort(_natural_order(cp, s // (2 * cp), y.device))  # the inverse permutation
     blocks = y.index_select(0, by_rank)  # [rank r's two chunks for r in ranks]
     mine = all_to_all(group, blocks)  # block r: this rank's chunks, rank r's heads
     return mine.reshape(cp, s // cp, b, width).permute(1, 2, 0, 3).reshape(s // cp, b, cp * width)

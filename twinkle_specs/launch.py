@@ -258,10 +258,12 @@ def check_architecture(args: argparse.Namespace, parser: argparse.ArgumentParser
         )
 
 
-def check_context_parallel(args: argparse.Namespace, hf_dir: str | Path) -> None:
+def check_context_parallel(args: argparse.Namespace, hf_dir: str | Path, arch=None) -> None:
     """Raises :class:`LaunchError` for a context-parallel layout the checkpoint's Gated DeltaNet layers cannot
-    run, before any rank builds a model (the layers refuse it too, for runs without the launcher)."""
-    cp, hybrid = getattr(args, "context_parallel_size", 1), qwen_arch_from_hf(hf_dir).hybrid
+    run, before any rank builds a model (the layers refuse it too, for runs without the launcher). ``arch``:
+    the checkpoint's architecture where the caller has read it."""
+    cp = getattr(args, "context_parallel_size", 1)
+    hybrid = (arch or qwen_arch_from_hf(hf_dir)).hybrid
     if cp == 1 or hybrid is None:
         return
     from packaging.version import Version
@@ -327,11 +329,13 @@ def _wrap_parse_args(original):
             return parsers[-1]
 
         args = original(composed, ignore_unknown_args)
+        run = Run(hf_dir=args.hf_model)
         if args.hf_model:
             check_architecture(args, parsers[-1], args.hf_model)  # a LaunchError ends in main's refuse()
-            check_context_parallel(args, args.hf_model)
+            check_context_parallel(args, args.hf_model, run.arch)
+        run.lora = _lora_from_args(args)
         global _RUN
-        _RUN = Run(hf_dir=args.hf_model, lora=_lora_from_args(args))
+        _RUN = run
         return args
 
     return parse_args
@@ -387,11 +391,10 @@ def _wrap_gpt_init(original):
         bound = signature.bind(self, *args, **kwargs)
         config = bound.arguments["config"]
         if _RUN.lora is not None:
-            from .hf_config import qwen_arch_from_hf
             from .lora.config import set_model_facts
 
             config.lora = _RUN.lora
-            set_model_facts(config, qwen_arch_from_hf(_RUN.hf_dir))
+            set_model_facts(config, _RUN.arch)
         bound.arguments["vocab_size"] = _checkpoint_vocab(bound.arguments.get("vocab_size"))
         _exact_rotary_base(bound.arguments)
         _set_megatron_padded_vocab(bound.arguments["vocab_size"])
