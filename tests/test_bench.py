@@ -465,10 +465,10 @@ def test_cpu_merge_and_report_only(cpu_run, tmp_path, monkeypatch):
     # a second call with the same --out replaces its own entries and keeps the others; each row keeps the
     # switches it ran with (the document's environment is the last call's)
     argv = ["--preset", "tiny", "--in-process", "--out", str(out), "--work", str(tmp_path / "w")]
-    monkeypatch.setenv("TWINKLE_FP8_SWIGLU_AMAX", "0")
+    monkeypatch.setenv("TWINKLE_FP8_KERNEL_AMAX", "0")
     assert main(argv + ["--variants", "twinkle_frozen", "--no-load", "--repeats", "2"]) == 0
     merged = json.loads((out / "results.json").read_text())
-    switched = {r["variant"]: r["env_vars"].get("TWINKLE_FP8_SWIGLU_AMAX") for r in merged["results"]}
+    switched = {r["variant"]: r["env_vars"].get("TWINKLE_FP8_KERNEL_AMAX") for r in merged["results"]}
     assert switched.pop("twinkle_frozen") == "0" and set(switched.values()) == {None}, switched
     assert len(merged["results"]) == len(doc["results"])
     frozen = [r for r in merged["results"] if r["variant"] == "twinkle_frozen"]

@@ -1,8 +1,9 @@
-"""twinkle_specs.lora.fp8_amax: FP8 current scaling from the amax the SwiGLU kernels take.
+"""twinkle_specs.lora.fp8_amax: FP8 current scaling from the amax our kernels take.
 
 On CPU: the scale kernel under the Triton interpreter against a transcription of Transformer Engine's
-``compute_scale_from_amax`` (transformer_engine/common/recipe/recipe_common.cuh, TE 2.11), exactly; and
-when the casts are offered (on by default, off with ``TWINKLE_FP8_SWIGLU_AMAX=0``). The casts against TE's own current scaling, bit for bit, and a
+``compute_scale_from_amax`` (transformer_engine/common/recipe/recipe_common.cuh, TE 2.11), exactly;
+when the casts are offered (on by default, off with ``TWINKLE_FP8_KERNEL_AMAX=0``); how a gradient's and a
+forward tensor's partial maxima travel to their cast. The casts against TE's own current scaling, bit for bit, and a
 LoRA model trained with them: tests/test_lora_gpu.py.
 """
 
@@ -81,7 +82,7 @@ def test_scale_kernel_is_te_compute_scale_from_amax():
 
 
 def test_nothing_is_offered_when_turned_off_or_without_te_fp8(monkeypatch):
-    """``TWINKLE_FP8_SWIGLU_AMAX=0`` offers nothing; on by default, a module that is no TE linear under FP8
+    """``TWINKLE_FP8_KERNEL_AMAX=0`` offers nothing; on by default, a module that is no TE linear under FP8
     current scaling (here a torch Linear outside any FP8 autocast) gets nothing either: TE quantizes as before."""
     layer = torch.nn.Linear(4, 4)
     monkeypatch.setenv(fp8_amax.ENV, "0")
@@ -93,7 +94,7 @@ def test_nothing_is_offered_when_turned_off_or_without_te_fp8(monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_casts_are_offered_by_default_where_te_has_a_quantizer(monkeypatch):
     """Where TE's linears have a current-scaling quantizer that a known-amax cast can stand in for (here
-    stood in by a marker), the casts are offered unless ``TWINKLE_FP8_SWIGLU_AMAX=0``: fc1's gradient always,
+    stood in by a marker), the casts are offered unless ``TWINKLE_FP8_KERNEL_AMAX=0``: fc1's gradient always,
     fc2's input only where fc2 is given."""
     fc1, fc2 = torch.nn.Linear(4, 8), torch.nn.Linear(4, 4)
     quantizers = {(fc1, "scaling_bwd"): "fc1-grad", (fc2, "scaling_fwd"): "fc2-input"}
@@ -107,6 +108,52 @@ def test_casts_are_offered_by_default_where_te_has_a_quantizer(monkeypatch):
     assert fp8_amax.swiglu_fp8(fc1, fc2) is not None
     monkeypatch.setenv(fp8_amax.ENV, "0")
     assert fp8_amax.swiglu_fp8(fc1, fc2) is None
+
+
+class _Cast:
+    """Stands in for KnownAmaxCast: records the partial maxima and marks the tensor it returns."""
+
+    def __init__(self) -> None:
+        self.partials: list = []
+
+    def __call__(self, x: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
+        self.partials.append(partials)
+        return x * 3
+
+
+def test_a_gradients_partial_maxima_reach_its_cast_once_and_only_for_that_tensor():
+    """GradAmax: the cast gets the partial maxima given for the very gradient it is handed, once; a
+    gradient in other storage (the partial maxima would not be its own) and a second call go to TE as
+    they are."""
+    cast = _Cast()
+    link, grad, partials = fp8_amax.GradAmax(cast), torch.randn(4, 6), torch.rand(3)
+    assert link(grad) is grad and not cast.partials  # nothing given yet
+    link.give(grad, partials)
+    assert torch.equal(link(grad), grad * 3) and cast.partials == [partials]
+    assert link(grad) is grad and len(cast.partials) == 1  # taken once
+    link.give(grad, partials)
+    other = grad.clone()
+    assert link(other) is other and len(cast.partials) == 1
+
+
+def test_cast_grad_hands_the_gradient_through_its_link():
+    cast = _Cast()
+    link = fp8_amax.GradAmax(cast)
+    x = torch.randn(4, 6, requires_grad=True)
+    y = fp8_amax.CastGrad.apply(x, link)
+    grad = torch.randn(4, 6)
+    link.give(grad, torch.rand(2))
+    y.backward(grad)
+    assert torch.equal(x.grad, grad * 3) and len(cast.partials) == 1
+
+
+def test_a_tag_is_dropped_when_its_tensor_changes():
+    """The partial maxima a kernel left on its output stand only while the output is unmodified."""
+    t, partials = torch.randn(5), torch.rand(2)
+    assert fp8_amax.tagged(t) is None
+    assert fp8_amax.tag(t, partials) is t and fp8_amax.tagged(t) is partials
+    t.add_(1.0)
+    assert fp8_amax.tagged(t) is None
 
 
 if __name__ == "__main__":

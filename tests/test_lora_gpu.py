@@ -574,13 +574,17 @@ def test_te_fp8_known_amax_cast_is_te_current_scaling(gpu):
     assert compared == 6
 
 
-def test_te_fp8_lora_swiglu_amax_trains_as_te_current_scaling(lora_checkpoints, gpu, monkeypatch):
-    """The SwiGLU kernels' amax (on by default) under FP8 current scaling (``--fp8-recipe tensorwise``): every dense
-    MLP hands fc2's base SwiGLU's output and fc1's base its output gradient as FP8 tensors cast with the
-    kernels' amax (counted: the gradient from the first iteration on, fc2's input from the second, once
-    fc2 has set up its quantizers), and 3 training iterations' losses and adapter gradients equal those of
-    TE taking every amax itself (``TWINKLE_FP8_SWIGLU_AMAX=0``; 1e-3 relative: the two runs' own
-    nondeterminism; the casts are the same)."""
+def test_te_fp8_lora_kernel_amax_trains_as_te_current_scaling(lora_checkpoints, gpu, monkeypatch):
+    """The kernels' amax (on by default) under FP8 current scaling (``--fp8-recipe tensorwise``): the casts
+    are counted per tensor (FP8 format, width). From the first iteration on fc1's output gradient (SwiGLU's
+    backward); from the second, once the linears have set up their quantizers, also QKV's output gradient
+    (the q/k norm + RoPE backward), QKV's and fc1's inputs (HiddenNorm) and fc2's input (SwiGLU's forward):
+    one each per layer. 3 training iterations' losses and adapter gradients equal those of TE taking every
+    amax itself (``TWINKLE_FP8_KERNEL_AMAX=0``; 1e-3 relative: the two runs' own nondeterminism; the casts
+    are the same)."""
+    import collections
+
+    import transformer_engine_torch as tex
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
     from twinkle_specs.lora import fp8_amax
@@ -588,22 +592,41 @@ def test_te_fp8_lora_swiglu_amax_trains_as_te_current_scaling(lora_checkpoints, 
     ok, why = FP8GlobalStateManager.is_fp8_available()
     if not ok:
         pytest.skip(f"no FP8 on this GPU: {why}")
-    casts: list[int] = []
+    casts: list[tuple] = []
     real = fp8_amax.KnownAmaxCast.__call__
-    monkeypatch.setattr(
-        fp8_amax.KnownAmaxCast, "__call__", lambda self, *a: casts.append(1) or real(self, *a)
-    )
+
+    def counted(self, x, partials):
+        casts.append(("e4m3" if self.like.dtype == tex.DType.kFloat8E4M3 else "e5m2", x.shape[-1]))
+        return real(self, x, partials)
+
+    monkeypatch.setattr(fp8_amax.KnownAmaxCast, "__call__", counted)
 
     def train() -> tuple:
-        return _train_fp8_lora(lora_checkpoints("qwen3"), "tensorwise", 3, casts, bias_activation_fusion=True)
+        return _train_fp8_lora(
+            lora_checkpoints("qwen3"),
+            "tensorwise",
+            3,
+            casts,
+            bias_activation_fusion=True,
+            apply_rope_fusion=True,
+        )
 
     monkeypatch.setenv(fp8_amax.ENV, "0")
     te_losses, te_grads, te_counts, model = train()
     monkeypatch.delenv(fp8_amax.ENV)
     losses, grads, counts, _ = train()
-    layers = model.config.num_layers
-    EVIDENCE.record("fp8_swiglu_amax", losses=losses, te_losses=te_losses, casts=counts)
-    assert te_counts == [0, 0, 0] and counts == [layers, 2 * layers, 2 * layers], (te_counts, counts)
+    c, layers = model.config, model.config.num_layers
+    qkv = (c.num_attention_heads + 2 * c.num_query_groups) * c.kv_channels
+    want = {
+        ("e5m2", 2 * c.ffn_hidden_size): layers,  # fc1's output gradient
+        ("e5m2", qkv): layers,  # QKV's output gradient
+        ("e4m3", c.hidden_size): 2 * layers,  # QKV's and fc1's inputs
+        ("e4m3", c.ffn_hidden_size): layers,  # fc2's input
+    }
+    last = dict(collections.Counter(casts))  # the last iteration's
+    EVIDENCE.record("fp8_kernel_amax", losses=losses, te_losses=te_losses, casts=counts, last=str(last))
+    assert te_counts == [0, 0, 0] and counts == [layers, 5 * layers, 5 * layers], (te_counts, counts)
+    assert last == want, (last, want)
     assert losses[-1] < losses[0], losses  # the adapters trained
     for ours, theirs in zip(losses, te_losses, strict=True):
         assert abs(ours - theirs) <= 1e-3 * abs(theirs), (losses, te_losses)

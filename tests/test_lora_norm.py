@@ -6,7 +6,12 @@ Against an independent fp64 RMSNorm: the torch path's fp32 output and gradients 
 weight's too. The frozen path's Triton kernels, interpreted, on strided inputs and gradients: 2 ulps
 relative to the largest value (fp32 1e-5, fp16 2e-3, bf16 1.6e-2; measured 1.5e-7, 3.8e-4, 6.2e-3,
 the interpreter truncating bf16 casts). Checkpoint keys are a TE norm's (``weight``,
-``_extra_state``). The swap in the LoRA spec is tests/test_lora_te_standin.py's."""
+``_extra_state``). The swap in the LoRA spec is tests/test_lora_te_standin.py's.
+
+HiddenNorm (the norm before an adapted QKV / fc1): on CPU against the same fp64 reference (fp32 1e-6,
+bf16 8e-3), zero-centred gamma too; its row kernels interpreted (the tolerances above; measured fp32
+1.4e-7, fp16 3.6e-4, bf16 7.3e-3), with the amax FP8 current scaling takes exactly the output's largest
+magnitude and the output unchanged by taking it."""
 
 from __future__ import annotations
 
@@ -91,6 +96,48 @@ def test_other_norms_are_refused():
         QKNorm(_config(normalization="RMSNorm", layernorm_zero_centered_gamma=True), hidden_size=16)
 
 
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["gamma", "zero-centred"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)], ids=["fp32", "bf16"])
+def test_hidden_norm_on_cpu_is_te_rmsnorm(zero_centered, dtype, tol):
+    """HiddenNorm off the GPU: fp32 statistics and products, the weight (plus one where zero-centred) in
+    fp32, the output rounded once; the input gradient only, the weight frozen."""
+    config = _config(normalization="RMSNorm", layernorm_zero_centered_gamma=zero_centered)
+    norm = N.HiddenNorm(config, hidden_size=48, eps=EPS).to(dtype)
+    assert set(norm.state_dict()) == {"weight", "_extra_state"}  # TENorm's keys
+    assert torch.equal(
+        norm.weight, torch.full((48,), 0.0 if zero_centered else 1.0, dtype=dtype)
+    )  # TE's init
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(48, generator=g) - 0.5)
+    norm.weight.requires_grad_(False)
+    x = (torch.randn(6, 2, 48, generator=g) * 3).to(dtype).requires_grad_(True)
+    grad = torch.randn(6, 2, 48, generator=g).to(dtype)
+    out = norm(x)
+    out.backward(grad)
+    xr = x.detach().double().requires_grad_(True)
+    want = _row_reference(xr, norm.weight.detach(), zero_centered)
+    want.backward(grad.double())
+    assert out.dtype == dtype and _rel(out.detach(), want.detach()) <= tol
+    assert _rel(x.grad, xr.grad) <= tol and norm.weight.grad is None
+    # the gamma rule matters: the other one is far off
+    assert _rel(_row_reference(x.detach(), norm.weight.detach(), not zero_centered), want.detach()) > 0.1
+
+
+def test_hidden_norm_of_a_layernorm_config_is_tes_own(monkeypatch):
+    """A config whose normalization is no RMSNorm gets TENorm's module, as the fused linear's norm was."""
+    import sys
+    import types
+
+    built = []
+    fake = types.SimpleNamespace(
+        TENorm=lambda config, hidden_size, eps: built.append(hidden_size) or "te-norm"
+    )
+    monkeypatch.setitem(sys.modules, "megatron.core.extensions.transformer_engine", fake)
+    assert N.HiddenNorm(_config(normalization="LayerNorm"), hidden_size=32, eps=EPS) == "te-norm"
+    assert built == [32]
+
+
 def _triton_errors(device: str, cases: tuple) -> dict[str, float]:
     """The frozen-weight Triton path (forced) against the fp64 reference: output and input gradient,
     per dtype and case; each case's input is a strided view (a key-like slice of a wider tensor), its
@@ -125,6 +172,52 @@ def _triton_errors(device: str, cases: tuple) -> dict[str, float]:
     return errors
 
 
+def _row_reference(x: torch.Tensor, w: torch.Tensor, zero_centered: bool) -> torch.Tensor:
+    return _reference(x, w.double() + 1.0 if zero_centered else w)
+
+
+def _row_errors(device: str, cases: tuple) -> dict:
+    """HiddenNorm's row kernels (forced) against the fp64 reference: output, input gradient (from a
+    strided output gradient), and with the amax on, the partial maxima's largest against the output's
+    largest magnitude (exact) and the output the same bit for bit as without; per dtype and case."""
+    from twinkle_specs.lora import fp8_amax
+
+    fwd, bwd = CountingKernel(N._row_fwd_kernel), CountingKernel(N._row_bwd_kernel)
+    N._row_fwd_kernel, N._row_bwd_kernel = fwd, bwd
+    errors: dict = {}
+    try:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for lead, width, zc in cases:
+                g = torch.Generator().manual_seed(width + sum(lead))
+                x = (torch.randn(*lead, width, generator=g) * 2).to(device=device, dtype=dtype)
+                w = (torch.rand(width, generator=g) - 0.5).to(device=device, dtype=dtype)
+                dy = torch.randn(width, *lead, generator=g).movedim(0, -1).to(device=device, dtype=dtype)
+                xg = x.detach().clone().requires_grad_(True)
+                out = N.FrozenRowRMSNorm.apply(xg, w, EPS, zc, True)
+                out.backward(dy)
+                plain = N.FrozenRowRMSNorm.apply(x, w, EPS, zc, False)
+                xr = x.detach().double().cpu().requires_grad_(True)
+                want = _row_reference(xr, w.cpu(), zc)
+                want.backward(dy.double().cpu())
+                key = f"{str(dtype)[6:]}/rows-{'x'.join(map(str, lead))}x{width}{'-zc' if zc else ''}"
+                errors[f"{key}/out"] = _rel(out.detach().cpu(), want.detach())
+                errors[f"{key}/dx"] = _rel(xg.grad.cpu(), xr.grad)
+                errors[f"{key}/shape"] = float(out.shape != x.shape or xg.grad.shape != x.shape)
+                partials = fp8_amax.tagged(out)
+                errors[f"{key}/amax-exact"] = (partials.max() - out.float().abs().max()).abs().item()
+                errors[f"{key}/same-exact"] = float(
+                    not torch.equal(out, plain) or fp8_amax.tagged(plain) is not None
+                )
+    finally:
+        N._row_fwd_kernel, N._row_bwd_kernel = fwd.kernel, bwd.kernel
+    errors["row-launches"] = (fwd.launches, bwd.launches)
+    return errors
+
+
+# HiddenNorm rows: one ragged program of 16 rows, a zero-centred width that is no power of two over three
+# programs, two rows a program of a 1536-wide hidden size
+ROWS_INTERPRETED = (((5,), 48, False), ((37,), 40, True), ((3, 2), 1536, True))
+
 # rows below, at and above the rows per program (32), a ragged last block, one head and several
 INTERPRETED = ((5, 1, 16), (9, 7, 16), (33, 3, 128))
 TRITON_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
@@ -133,7 +226,7 @@ TRITON_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 def _assert_within_tolerance(errors: dict[str, float]) -> None:
     """Shapes exact; output and input gradient within :data:`TRITON_TOL` of their dtype."""
     for key, err in errors.items():
-        tol = 0.0 if key.endswith("/shape") else TRITON_TOL[key.split("/")[0]]
+        tol = 0.0 if key.endswith(("/shape", "-exact")) else TRITON_TOL[key.split("/")[0]]
         assert err <= tol, (key, err, tol)
 
 
@@ -144,6 +237,7 @@ def test_triton_kernels_under_interpreter():
     fp32 -> bf16 by truncation where the GPU rounds to nearest (measured: see the module docstring)."""
     errors = interpreted(__file__)
     assert errors.pop("launches") == [3 * len(INTERPRETED)] * 2, errors
+    assert errors.pop("row-launches") == [2 * 3 * len(ROWS_INTERPRETED), 3 * len(ROWS_INTERPRETED)], errors
     _assert_within_tolerance(errors)
 
 
@@ -153,10 +247,11 @@ def test_triton_kernels_on_cuda_match_the_reference():
     """The compiled kernels against fp64 at a Qwen3 key norm's shape (300 tokens, 8 heads of 128,
     strided) and ragged small shapes; same tolerances as the interpreted test."""
     errors = _triton_errors("cuda", ((300, 8, 128), (9, 7, 16)))
+    errors |= _row_errors("cuda", (((4096, 1), 4096, False), ((1000,), 5120, False), ((37,), 40, True)))
     print(json.dumps(errors))
-    errors.pop("launches")
+    errors.pop("launches"), errors.pop("row-launches")
     _assert_within_tolerance(errors)
 
 
 if __name__ == "__main__":
-    print(json.dumps(_triton_errors("cpu", INTERPRETED)))
+    print(json.dumps(_triton_errors("cpu", INTERPRETED) | _row_errors("cpu", ROWS_INTERPRETED)))

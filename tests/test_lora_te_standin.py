@@ -147,15 +147,15 @@ def _te_layer_submodules():
     ids=["all-linear", "q-v", "down-only"],
 )
 def test_targeted_norm_fused_linears_become_norm_and_linear(te, targets, split_qkv, split_fc1):  # noqa: F811
-    """A targeted norm-fused TE linear is built as TENorm + plain TE linear (its adapter then shares the
-    norm), keeping the fused module's checkpoint keys; an untargeted one stays fused. TE's q/k norms
-    become QKNorm, the attention LoraSelfAttention."""
+    """A targeted norm-fused TE linear is built as HiddenNorm (TENorm's constructor and keys) + plain TE
+    linear (its adapter then shares the norm), keeping the fused module's checkpoint keys; an untargeted
+    one stays fused. TE's q/k norms become QKNorm, the attention LoraSelfAttention."""
     from megatron.core.transformer.identity_op import IdentityOp
 
     from twinkle_specs.lora import LoraConfig
     from twinkle_specs.lora.attention import LoraSelfAttention
     from twinkle_specs.lora.mlp import LoraMLP
-    from twinkle_specs.lora.norm import QKNorm
+    from twinkle_specs.lora.norm import HiddenNorm, QKNorm
     from twinkle_specs.lora.spec import lora_layer_submodules
 
     fake = sys.modules[TE_MODULE]
@@ -164,8 +164,8 @@ def test_targeted_norm_fused_linears_become_norm_and_linear(te, targets, split_q
     )
     qkv = got.self_attention.submodules.linear_qkv
     fc1 = got.mlp.submodules.linear_fc1
-    assert got.input_layernorm is (fake.TENorm if split_qkv else IdentityOp)
-    assert got.pre_mlp_layernorm is (fake.TENorm if split_fc1 else IdentityOp)
+    assert got.input_layernorm is (HiddenNorm if split_qkv else IdentityOp)
+    assert got.pre_mlp_layernorm is (HiddenNorm if split_fc1 else IdentityOp)
     assert (
         (qkv.module is te.LoraTEColumnParallelLinear)
         if split_qkv
@@ -232,6 +232,64 @@ def test_qkv_partial_targets(te, single_rank):  # noqa: F811
     expected = F.linear(x, layer.weight + delta)
     assert (out - expected).abs().max().item() <= TOL
     assert (expected - F.linear(x, layer.weight)).abs().max() > 1e-2
+
+
+def test_fp8_known_amax_casts_reach_the_base_only(te, single_rank, monkeypatch):  # noqa: F811
+    """Under FP8 current scaling (stood in: a cast that triples its input): an input whose kernel took
+    its amax (``fp8_amax.tag``) reaches the base as the cast made it while the adapter reads it as it is,
+    and the input gradient passes through the cast; an untagged input, or one modified since its tag,
+    reaches the base as it is. The base output's gradient passes through ``lora_out_grad`` after the
+    adapter's GEMMs took it as it is."""
+    from twinkle_specs.lora import fp8_amax
+
+    casts: list = []
+    monkeypatch.setattr(fp8_amax, "input_cast", lambda module: lambda x, p: casts.append(p) or x * 3)
+    config = _config()
+    slots = {
+        "q_proj": SlotSpec(4, 8, False),
+        "k_proj": SlotSpec(4, 8, False),
+        "v_proj": SlotSpec(4, 8, False),
+    }
+    layer = te.LoraTEColumnParallelLinear(
+        32, 64, config=config, lora_site="linear_qkv", lora_slots=slots, lora_dropout=0.0
+    )
+    randomize_layer(layer, std=0.2)
+    for p in layer.parameters():
+        p.requires_grad_(p is not layer.weight)
+    x0 = torch.randn(5, 2, 32)
+    delta = layer.lora_delta_weight()
+
+    def run(tagged: bool, bump: bool = False, out_grad=None):
+        x = x0.clone().requires_grad_(True)
+        y = x * 1.0
+        if tagged:
+            fp8_amax.tag(y, torch.ones(1))
+        if bump:
+            y.add_(0.0)
+        out, _ = layer(y, lora_out_grad=out_grad)
+        out.backward(torch.ones_like(out))
+        return out.detach(), x.grad
+
+    out, dx = run(tagged=True)
+    assert len(casts) == 1
+    want = F.linear(3 * x0, layer.weight) + F.linear(x0, delta)
+    assert (out - want).abs().max().item() <= TOL
+    g = torch.ones(5, 2, 64)
+    assert (dx - (3 * g @ layer.weight + g @ delta)).abs().max().item() <= TOL
+    for kw in ({"tagged": False}, {"tagged": True, "bump": True}):
+        out, _ = run(**kw)
+        assert (out - F.linear(x0, layer.weight + delta)).abs().max().item() <= TOL and len(casts) == 1, kw
+    # the base output's gradient through lora_out_grad (a GradAmax whose cast doubles it)
+    seen: list = []
+
+    class Link:
+        def __call__(self, grad):
+            seen.append(grad.clone())
+            return grad * 2
+
+    _, dx = run(tagged=False, out_grad=Link())
+    assert len(seen) == 1 and torch.equal(seen[0], g)
+    assert (dx - (2 * g @ layer.weight + g @ delta)).abs().max().item() <= TOL
 
 
 def test_row_and_column_linears_and_merge(te, single_rank):  # noqa: F811

@@ -4,7 +4,9 @@ Where :mod:`.qk_rope` applies (training or evaluation without an inference conte
 non-interleaved RoPE over the whole head without YaRN scaling, TE's fused RoPE configured, the norms
 :class:`~twinkle_specs.lora.norm.QKNorm` with weights that get no gradient, CUDA and Triton), the
 forward passes no rotary embedding on to megatron's and :meth:`get_query_key_value_tensors` returns the
-query and key already normed and rotated. Anywhere else megatron's own path runs unchanged.
+query and key already normed and rotated. Anywhere else megatron's own path runs unchanged. Under FP8
+current scaling the backward kernel also takes the amax of the QKV gradient it writes, for linear_qkv's
+input-gradient GEMM (:mod:`.fp8_amax`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 from megatron.core.transformer import attention as mcore_attention
 from megatron.core.transformer.attention import SelfAttention
 
+from . import fp8_amax
+from .layers import LoraLinearMixin
 from .norm import QKNorm
 from .qk_rope import fusable, qk_norm_rope
 
@@ -53,9 +57,20 @@ class LoraSelfAttention(SelfAttention):
         freqs = self._qk_rope_freqs
         if freqs is None:
             return super().get_query_key_value_tensors(hidden_states, key_value_states, *args, **kwargs)
-        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        qkv, grad_amax = self.linear_qkv, fp8_amax.grad_amax(self.linear_qkv)
+        if grad_amax is None:
+            mixed_qkv, _ = qkv(hidden_states)
+        elif isinstance(qkv, LoraLinearMixin):
+            mixed_qkv, _ = qkv(hidden_states, lora_out_grad=grad_amax)
+        else:
+            mixed_qkv = fp8_amax.CastGrad.apply(qkv(hidden_states)[0], grad_amax)
         return qk_norm_rope(
-            mixed_qkv, self.num_query_groups_per_partition, self.q_layernorm, self.k_layernorm, freqs
+            mixed_qkv,
+            self.num_query_groups_per_partition,
+            self.q_layernorm,
+            self.k_layernorm,
+            freqs,
+            grad_amax,
         )
 
     def _fused_rope(self, args: dict) -> torch.Tensor | None:

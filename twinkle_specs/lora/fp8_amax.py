@@ -1,16 +1,23 @@
-"""FP8 current scaling of the LoRA MLP's two largest tensors with the amax their kernels already took.
+"""FP8 current scaling of LoRA's largest tensors with the amax the kernels that write them already took.
 
 Under Transformer Engine's current-scaling recipe (megatron's ``--fp8-recipe tensorwise``) every FP8 cast
-first reads its whole tensor once for the amax, then casts. The two largest tensors a LoRA MLP hands TE are
-made by :mod:`.swiglu`'s kernels: SwiGLU's output (fc2's input, [T, F]) and SwiGLU's gradient (fc1's
-output gradient, [T, 2F]). Those kernels can take the amax of what they write at no extra read. Here that
-amax becomes the scale TE would compute from it (TE's ``compute_scale_from_amax``: the epsilon floor, 1 for
-a zero or non-finite amax, ``max_fp8 / amax`` divided to nearest, fp32's largest value for an infinite
-quotient, the power-of-two option), and TE's per-tensor cast (the cast of its delayed-scaling quantizer,
-which takes a given scale) makes the FP8 tensor, which TE's linears take as they take their own: the same
-scale and the same cast kernel, so the same FP8 values as TE's current scaling, one read fewer per tensor.
+first reads its whole tensor once for the amax, then casts. Several tensors an adapted layer hands TE's
+linears are written by our own kernels, which can take the amax of what they write at no extra read:
+SwiGLU's output (fc2's input, [T, F]) and gradient (fc1's output gradient, [T, 2F]) in :mod:`.swiglu`,
+the norm outputs that QKV and fc1 take (:class:`~.norm.HiddenNorm`), and QKV's output gradient, written
+by the q/k norm + RoPE backward (:mod:`.qk_rope`). Here that amax becomes the scale TE would compute
+from it (TE's ``compute_scale_from_amax``: the epsilon floor, 1 for a zero or non-finite amax,
+``max_fp8 / amax`` divided to nearest, fp32's largest value for an infinite quotient, the power-of-two
+option), and TE's per-tensor cast (the cast of its delayed-scaling quantizer, which takes a given scale)
+makes the FP8 tensor, which TE's linears take as they take their own: the same scale and the same cast
+kernel, so the same FP8 values as TE's current scaling, one read fewer per tensor.
 
-On by default (``TWINKLE_FP8_SWIGLU_AMAX=0`` turns it off): a cast applies where TE's recipe in force is
+How the amax travels: a forward tensor carries its kernel's partial maxima (:func:`tag`, checked against
+the tensor's version when read, :func:`tagged`); a gradient's go through a :class:`GradAmax` from the
+backward that writes the gradient to the cast in front of the linear whose output gradient it is
+(checked against the gradient's storage), where any mismatch leaves the cast to TE.
+
+On by default (``TWINKLE_FP8_KERNEL_AMAX=0`` turns it off): a cast applies where TE's recipe in force is
 current scaling, the linear has set up its quantizers for it (its first FP8 forward), its weight is frozen
 (no weight gradient: the FP8 tensor needs only its row-wise data) and its quantizer reduces no amax across
 ranks. Elsewhere TE quantizes as before.
@@ -30,7 +37,8 @@ try:
 except ImportError:  # no kernel without Triton: nothing here is offered then
     triton = None
 
-ENV = "TWINKLE_FP8_SWIGLU_AMAX"
+ENV = "TWINKLE_FP8_KERNEL_AMAX"
+AMAX_ATTR = "_twinkle_fp8_amax"  # a forward tensor's (partial maxima, version), see tag()
 BLOCK = 1024
 FLOAT32_MAX = torch.finfo(torch.float32).max  # TE's scale where max_fp8 / amax overflows
 
@@ -93,6 +101,64 @@ class KnownAmaxCast:
         return quantizer(x)
 
 
+class GradAmax:
+    """The partial maxima of one gradient, from the backward that writes it (:meth:`give`) to the cast in
+    front of the TE linear whose output gradient it is (:meth:`__call__`), one per forward."""
+
+    __slots__ = ("cast", "partials", "ptr")
+
+    def __init__(self, cast: KnownAmaxCast) -> None:
+        self.cast, self.partials, self.ptr = cast, None, None
+
+    def give(self, grad: torch.Tensor, partials: torch.Tensor) -> None:
+        self.partials, self.ptr = partials, grad.data_ptr()
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` as TE's FP8 tensor where the partial maxima given are this very tensor's, else as it is
+        (TE then takes its amax)."""
+        partials, self.partials = self.partials, None
+        if partials is None or grad.data_ptr() != self.ptr:
+            return grad
+        return self.cast(grad, partials)
+
+
+class CastGrad(torch.autograd.Function):
+    """Identity whose backward hands the gradient through ``cast`` (a :class:`GradAmax`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cast: GradAmax) -> torch.Tensor:
+        ctx.cast = cast
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.cast(grad), None
+
+
+def tag(t: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
+    """``t`` carrying the partial maxima its kernel took, for the linear that takes ``t`` next."""
+    setattr(t, AMAX_ATTR, (partials, t._version))
+    return t
+
+
+def tagged(t: torch.Tensor) -> torch.Tensor | None:
+    """The partial maxima :func:`tag` left on ``t``, None if none or ``t`` was modified since."""
+    entry = getattr(t, AMAX_ATTR, None)
+    return entry[0] if entry is not None and entry[1] == t._version else None
+
+
+def input_cast(module: torch.nn.Module) -> KnownAmaxCast | None:
+    """The known-amax cast of this TE linear's input for this forward, or None (module docstring)."""
+    quantizer = _quantizer(module, "scaling_fwd") if _enabled() else None
+    return KnownAmaxCast(quantizer) if quantizer is not None else None
+
+
+def grad_amax(module: torch.nn.Module) -> GradAmax | None:
+    """A :class:`GradAmax` for this TE linear's output gradient in this forward, or None."""
+    quantizer = _quantizer(module, "scaling_bwd") if _enabled() else None
+    return GradAmax(KnownAmaxCast(quantizer)) if quantizer is not None else None
+
+
 @dataclass
 class SwigluFp8:
     """The casts :class:`~.swiglu.SwigluLora` takes amaxes for: of its output, as fc2's input (``input``)
@@ -108,29 +174,42 @@ def swiglu_fp8(fc1: torch.nn.Module, fc2: torch.nn.Module | None) -> SwigluFp8 |
     """The casts that apply to this forward of a LoRA MLP (see the module docstring), or None: fc1's
     output gradient, and fc2's input where ``fc2`` (the linear that takes SwiGLU's output as its base
     input) is given."""
-    if os.environ.get(ENV, "1") == "0" or triton is None:
-        return None
-    grad = _quantizer(fc1, "scaling_bwd")
-    cast_in = _quantizer(fc2, "scaling_fwd") if fc2 is not None else None
+    grad = grad_amax(fc1)
+    cast_in = input_cast(fc2) if fc2 is not None else None
     if grad is None and cast_in is None:
         return None
-    return SwigluFp8(KnownAmaxCast(cast_in) if cast_in else None, KnownAmaxCast(grad) if grad else None)
+    return SwigluFp8(cast_in, grad.cast if grad is not None else None)
+
+
+def _enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0" and triton is not None
+
+
+def current_scaling() -> bool:
+    """Whether the casts are on and TE's recipe in force is current scaling: the kernels then take the
+    amax of what they write."""
+    return _enabled() and _te_current_scaling()
+
+
+def _te_current_scaling() -> bool:
+    try:
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    except ImportError:
+        return False
+    return (
+        FP8GlobalStateManager.is_fp8_enabled()
+        and FP8GlobalStateManager.get_fp8_recipe().float8_current_scaling()
+    )
 
 
 def _quantizer(module: torch.nn.Module, kind: str) -> Any:
     """The TE linear's current-scaling quantizer of its input (``scaling_fwd``) or output gradient
     (``scaling_bwd``) where a known-amax cast can stand in for it, else None."""
-    try:
-        import transformer_engine_torch as tex
-        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-        from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
-    except ImportError:
+    if not _te_current_scaling():
         return None
-    if (
-        not FP8GlobalStateManager.is_fp8_enabled()
-        or not FP8GlobalStateManager.get_fp8_recipe().float8_current_scaling()
-    ):
-        return None
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
     meta_recipe = getattr(module, "fp8_meta", {}).get("recipe")
     if meta_recipe is None or not meta_recipe.float8_current_scaling():
         return None  # not set up for this recipe yet: its first FP8 forward does

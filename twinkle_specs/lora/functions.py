@@ -158,12 +158,15 @@ class AddLowRank(torch.autograd.Function):
     forbids modifying in place, hence this function. The gradient of ``out`` passes through unchanged,
     those of ``h`` and ``b`` are ``addmm``'s. Had anything saved ``out`` for its backward, autograd
     would raise its "modified by an inplace operation" error there (the version counter moves): a
-    loud failure, never a silently wrong gradient.
+    loud failure, never a silently wrong gradient. ``out_grad`` (optional) is what the gradient of
+    ``out`` passes through after the adapter's GEMMs took theirs (the FP8 cast of a known amax,
+    :class:`~twinkle_specs.lora.fp8_amax.GradAmax`).
     """
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, out: torch.Tensor, h: torch.Tensor, b: torch.Tensor, out_grad=None) -> torch.Tensor:
         ctx.save_for_backward(h, b)
+        ctx.out_grad = out_grad
         out.view(-1, out.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), b.t())
         return out
 
@@ -173,7 +176,7 @@ class AddLowRank(torch.autograd.Function):
         g = grad.reshape(-1, grad.shape[-1])
         dh = (g @ b).view(h.shape) if ctx.needs_input_grad[1] else None
         db = g.t() @ h.reshape(-1, h.shape[-1]) if ctx.needs_input_grad[2] else None
-        return grad, dh, db
+        return grad if ctx.out_grad is None else ctx.out_grad(grad), dh, db, None
 
 
 class Gather(torch.autograd.Function):

@@ -63,7 +63,9 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from . import fp8_amax
 from .config import SITE_SLOTS, SlotSpec
+from .fp8_amax import CastGrad, GradAmax
 from .functions import AddLowRank, Gather, GradLink, IntoBaseGrad, LowRankDown, low_rank_down
 from .recompute import InputRecipe, RoutedTokens, recompute_allowed
 
@@ -324,13 +326,16 @@ class LoraLayerMixin:
         """Whether the forward adds the adapters (there are slots and they are not merged)."""
         return bool(self.lora_slots) and not self.lora_merged
 
-    def _lora_add(self, out: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def _lora_add(self, out: torch.Tensor, h: torch.Tensor, out_grad: GradAmax | None = None) -> torch.Tensor:
         """``out`` plus ``h @ Bᵀ`` (``h`` from :meth:`lora_hidden`): the B GEMM accumulates into the
         base output in place (:class:`~twinkle_specs.lora.functions.AddLowRank`) where it can, else an
-        out-of-place sum."""
+        out-of-place sum. ``out_grad``: what the base output's gradient passes through on its way to the
+        base (see :meth:`LoraLinearMixin.forward`)."""
         b = self.lora_B_fused()
         if out.dtype == h.dtype == b.dtype and out.is_contiguous():
-            return AddLowRank.apply(out, h, b)
+            return AddLowRank.apply(out, h, b, out_grad)
+        if out_grad is not None:
+            out = CastGrad.apply(out, out_grad)
         return out + F.linear(h, b).to(out.dtype)
 
     # -- merge -----------------------------------------------------------------------------------
@@ -572,6 +577,15 @@ _FORWARD_SITES = (
 )
 
 
+def _fp8_known_amax(module: torch.nn.Module, input_: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` (``input_`` as the base takes it) as TE's FP8 tensor where the kernel that wrote ``input_``
+    took its amax and TE's current scaling applies to this linear (:mod:`~twinkle_specs.lora.fp8_amax`),
+    else None."""
+    partials = fp8_amax.tagged(input_)
+    cast = fp8_amax.input_cast(module) if partials is not None else None
+    return cast(x, partials) if cast is not None else None
+
+
 def _forward_place(module: LoraLayerMixin) -> int:
     """Where a banked linear runs in its layer's forward (attention, router, MLP or shared expert)."""
     site = module.lora_site
@@ -704,13 +718,16 @@ class LoraLinearMixin(LoraLayerMixin):
             is_expert=kwargs.get("is_expert", False),
         )
 
-    def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any):
+    def forward(self, input_: torch.Tensor, *args: Any, lora_out_grad: GradAmax | None = None, **kwargs: Any):
+        """``(out, bias)``; ``lora_out_grad``: a :class:`~twinkle_specs.lora.fp8_amax.GradAmax` that the
+        base output's gradient passes through (the consumer's kernel took its amax)."""
         if not self.lora_active():
             if self.lora_input_recipe:
                 self.lora_input_recipe.drop()
-            return super().forward(input_, *args, **kwargs)
+            out, bias = super().forward(input_, *args, **kwargs)
+            return (out if lora_out_grad is None else CastGrad.apply(out, lora_out_grad)), bias
         out, bias, h = self.lora_base_and_hidden(input_, *args, **kwargs)
-        return self._lora_add(out, h), bias
+        return self._lora_add(out, h, lora_out_grad), bias
 
     def lora_base_and_hidden(
         self,
@@ -735,6 +752,8 @@ class LoraLinearMixin(LoraLayerMixin):
             x = IntoBaseGrad.apply(input_, link)
         if lora_base_input is not None and lora_link is None:
             raise ValueError("lora_base_input needs the caller's lora_link: the base's input gradient is its")
+        if lora_base_input is None:
+            lora_base_input = _fp8_known_amax(self, input_, x)
         out, bias = super().forward(x if lora_base_input is None else lora_base_input, *args, **kwargs)
         return out, bias, self.lora_hidden(x, recipe, link, lora_a)
 

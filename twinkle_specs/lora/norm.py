@@ -10,6 +10,11 @@ Triton kernels run it: the forward keeps each row's 1/rms, the backward writes t
 only; a strided input (the key's view of the fused QKV output) is read in place. Otherwise (a
 trainable weight, CPU, a width that is not a power of two) ``torch.nn.functional.rms_norm`` does.
 The arithmetic is TE's: fp32 statistics and products, the output rounded once to the input dtype.
+
+:class:`HiddenNorm`: the layer norm in front of an adapted QKV or fc1 (LoRA splits it from TE's fused
+linear, :mod:`.spec`), frozen too, by two such kernels over whole hidden rows: no weight-gradient partials
+and finalize in the backward, and under FP8 current scaling the forward also takes its output's amax,
+which the linear's FP8 cast then need not read the tensor again for (:mod:`.fp8_amax`).
 """
 
 from __future__ import annotations
@@ -70,6 +75,46 @@ if triton is not None:
         dot = tl.sum(g * xh, axis=1) / N
         dx = rstd[:, None] * (g - xh * dot[:, None])
         tl.store(dx_ptr + r64[:, None] * N + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _row_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, amax_ptr, rows, eps, N: tl.constexpr, BN: tl.constexpr,
+                        BR: tl.constexpr, ZC: tl.constexpr, AMAX: tl.constexpr):  # fmt: skip
+        """``BR`` rows of a contiguous [rows, N] ``x``: ``y = x / rms(x) * w`` (``w + 1`` with ``ZC``), ``1 / rms``
+        per row and, with ``AMAX``, the largest |y| (as rounded) of the program's rows."""
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        c = tl.arange(0, BN)
+        m = (r < rows)[:, None] & (c < N)[None, :]
+        off = r.to(tl.int64)[:, None] * N + c[None, :]
+        x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+        w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+        if ZC:
+            w = w + 1.0
+        y = (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + off, y, mask=m)
+        tl.store(rstd_ptr + r, rstd, mask=r < rows)
+        if AMAX:
+            mx = tl.max(tl.max(tl.where(m, tl.abs(y.to(tl.float32)), 0.0), 1), 0)
+            tl.store(amax_ptr + tl.program_id(0), mx)
+
+    @triton.jit
+    def _row_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, rows, N: tl.constexpr, BN: tl.constexpr,
+                        BR: tl.constexpr, ZC: tl.constexpr):  # fmt: skip
+        """:func:`_bwd_kernel`'s input gradient over ``BR`` contiguous rows of ``N``; no weight gradient."""
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        c = tl.arange(0, BN)
+        m = (r < rows)[:, None] & (c < N)[None, :]
+        off = r.to(tl.int64)[:, None] * N + c[None, :]
+        x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + off, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + r, mask=r < rows, other=0.0)
+        w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+        if ZC:
+            w = w + 1.0
+        g = dy * w[None, :]
+        xh = x * rstd[:, None]
+        dot = tl.sum(g * xh, axis=1) / N
+        tl.store(dx_ptr + off, (rstd[:, None] * (g - xh * dot[:, None])).to(dx_ptr.dtype.element_ty), mask=m)
 
 
 def _heads_view(t: torch.Tensor) -> torch.Tensor:
@@ -154,3 +199,96 @@ class QKNorm(TEExtraState, torch.nn.Module):
         if _use_triton(x, self.weight):
             return FrozenRMSNorm.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (self.hidden_size,), self.weight.to(x.dtype), self.eps)
+
+
+def _use_row_kernels(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return frozen_on_gpu(x, weight)
+
+
+def _row_launch(n: int) -> tuple[int, int, int]:
+    """``(BN, BR, warps)`` for rows of ``n``: a power-of-two block over the row, rows per program up to 4096
+    elements, 8 warps from 4096 elements on (16 from 8192)."""
+    bn = triton.next_power_of_2(n)
+    br = max(1, min(16, 4096 // bn))
+    return bn, br, 16 if bn >= 8192 else 8 if bn * br >= 4096 else 4
+
+
+class FrozenRowRMSNorm(torch.autograd.Function):
+    """RMSNorm over whole rows with a weight that gets no gradient (:class:`HiddenNorm`); with ``amax`` the
+    output carries its partial maxima (:func:`~twinkle_specs.lora.fp8_amax.tag`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, amax: bool):
+        n = weight.numel()
+        x2 = x.contiguous().view(-1, n)
+        rows = x2.shape[0]
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        bn, br, warps = _row_launch(n)
+        grid = (triton.cdiv(rows, br),)
+        partials = torch.empty(grid[0], dtype=torch.float32, device=x.device) if amax else None
+        _row_fwd_kernel[grid](
+            x2, weight, y, rstd, partials, rows, eps, N=n, BN=bn, BR=br, ZC=zero_centered, AMAX=amax,
+            num_warps=warps,
+        )  # fmt: skip
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.zero_centered = zero_centered
+        if partials is not None:
+            from .fp8_amax import tag
+
+            tag(y, partials)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2, weight, rstd = ctx.saved_tensors
+        rows, n = x2.shape
+        dx = torch.empty(dy.shape, dtype=x2.dtype, device=x2.device)
+        bn, br, warps = _row_launch(n)
+        _row_bwd_kernel[(triton.cdiv(rows, br),)](
+            dy.contiguous(),
+            x2,
+            weight,
+            rstd,
+            dx,
+            rows,
+            N=n,
+            BN=bn,
+            BR=br,
+            ZC=ctx.zero_centered,
+            num_warps=warps,
+        )
+        return dx, None, None, None, None
+
+
+class HiddenNorm(TEExtraState, torch.nn.Module):
+    """The RMSNorm in front of an adapted QKV or fc1 (module docstring): TENorm's constructor, parameter
+    (``weight``, zero-centred where the config says so) and empty ``_extra_state``, so checkpoint keys and
+    the HF weight map are unchanged. A config with another normalization gets TENorm's own module."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5):
+        if config.normalization != "RMSNorm":
+            from megatron.core.extensions.transformer_engine import TENorm
+
+            return TENorm(config, hidden_size, eps)
+        return super().__new__(cls)
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.config, self.eps, self.hidden_size = config, eps, hidden_size
+        self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        init = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype, device=device))
+        # as TE's norms mark theirs: megatron all-reduces such weights' gradients over tensor parallelism
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_row_kernels(x, self.weight):
+            from .fp8_amax import current_scaling
+
+            return FrozenRowRMSNorm.apply(
+                x, self.weight, self.eps, self.zero_centered_gamma, current_scaling()
+            )
+        w = self.weight.float() + 1.0 if self.zero_centered_gamma else self.weight.float()
+        return F.rms_norm(x.float(), (self.hidden_size,), w, self.eps).to(x.dtype)

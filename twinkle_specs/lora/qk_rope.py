@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .fp8_amax import GradAmax
 from .norm import MAX_WIDTH, _heads_view, frozen_on_gpu
 
 try:
@@ -81,8 +82,15 @@ if triton is not None:
         g2 = dy2 * tl.load(w_ptr + HALF + c, mask=cm).to(tl.float32)[None, :]
         xh1, xh2 = x1 * rstd, x2 * rstd
         dot = ((tl.sum(g1 * xh1, axis=1) + tl.sum(g2 * xh2, axis=1)) / (2 * HALF))[:, None]
-        tl.store(dst, (rstd * (g1 - xh1 * dot)).to(dtype), mask=m)
-        tl.store(dst + HALF, (rstd * (g2 - xh2 * dot)).to(dtype), mask=m)
+        o1, o2 = (rstd * (g1 - xh1 * dot)).to(dtype), (rstd * (g2 - xh2 * dot)).to(dtype)
+        tl.store(dst, o1, mask=m)
+        tl.store(dst + HALF, o2, mask=m)
+        return tl.maximum(_absmax(o1, m), _absmax(o2, m))
+
+    @triton.jit
+    def _absmax(x, m):
+        """The largest magnitude of ``x`` where ``m`` (fp32): the amax FP8 current scaling takes."""
+        return tl.max(tl.max(tl.where(m, tl.abs(x.to(tl.float32)), 0.0), 1), 0)
 
     @triton.jit
     def _rows(qkv_ptr, freqs_ptr, T, B, s_tok, s_grp, HALF: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr):
@@ -116,26 +124,36 @@ if triton is not None:
 
     @triton.jit
     def _qk_rope_bwd_kernel(
-        qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, T, B, s_tok, s_grp,
+        qkv_ptr, wq_ptr, wk_ptr, freqs_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, amax_ptr, T, B, s_tok, s_grp,
         q_tok, q_head, k_tok, k_head, v_tok, v_head, eps_q, eps_k,
-        QPG: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
+        QPG: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr, AMAX: tl.constexpr,
     ):  # fmt: skip
         """The forward's programs in reverse: the QKV output's gradient [T, groups, (QPG + 2) * 2 * HALF]
-        from the query's, key's and value's (strided [T, heads, 2 * HALF] each)."""
+        from the query's, key's and value's (strided [T, heads, 2 * HALF] each); with ``AMAX`` each
+        program's largest |gradient| as written goes to ``amax_ptr`` [programs]."""
         m, c1, s1, c2, s2, t64, c, row = _rows(qkv_ptr, freqs_ptr, T, B, s_tok, s_grp, HALF, BH, BT)
         g = tl.program_id(1)
         drow = dqkv_ptr + (t64 * tl.num_programs(1) + g) * ((QPG + 2) * 2 * HALF) + c
+        mx = 0.0
         for j in tl.static_range(QPG):
             src = dq_ptr + t64 * q_tok + (g * QPG + j) * q_head + c
             off = j * 2 * HALF
-            _norm_rope_back(src, row + off, drow + off, wq_ptr, eps_q, m, c1, s1, c2, s2, HALF, BH)
+            mx = tl.maximum(
+                mx, _norm_rope_back(src, row + off, drow + off, wq_ptr, eps_q, m, c1, s1, c2, s2, HALF, BH)
+            )
         off = QPG * 2 * HALF
         src = dk_ptr + t64 * k_tok + g * k_head + c
-        _norm_rope_back(src, row + off, drow + off, wk_ptr, eps_k, m, c1, s1, c2, s2, HALF, BH)
+        mx = tl.maximum(
+            mx, _norm_rope_back(src, row + off, drow + off, wk_ptr, eps_k, m, c1, s1, c2, s2, HALF, BH)
+        )
         dv = dv_ptr + t64 * v_tok + g * v_head + c
         off = (QPG + 1) * 2 * HALF
-        tl.store(drow + off, tl.load(dv, mask=m), mask=m)
-        tl.store(drow + off + HALF, tl.load(dv + HALF, mask=m), mask=m)
+        dv1, dv2 = tl.load(dv, mask=m), tl.load(dv + HALF, mask=m)
+        tl.store(drow + off, dv1, mask=m)
+        tl.store(drow + off + HALF, dv2, mask=m)
+        if AMAX:
+            mx = tl.maximum(mx, tl.maximum(_absmax(dv1, m), _absmax(dv2, m)))
+            tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + g, mx)
 
 
 def _block(head: int) -> int:
@@ -154,7 +172,9 @@ class QKNormRope(torch.autograd.Function):
     (fp32 angles, megatron's rotary embedding). Saves the QKV output, nothing else of size."""
 
     @staticmethod
-    def forward(ctx, mixed_qkv, wq, wk, freqs, groups: int, head: int, eps_q: float, eps_k: float):
+    def forward(
+        ctx, mixed_qkv, wq, wk, freqs, groups: int, head: int, eps_q: float, eps_k: float, grad_amax=None
+    ):
         s, b, width = mixed_qkv.shape
         qpg = width // (groups * head) - 2
         qkv = _heads_view(mixed_qkv.unflatten(-1, (groups, -1)))  # [T, groups, row]
@@ -166,7 +186,7 @@ class QKNormRope(torch.autograd.Function):
             QPG=qpg, HALF=head // 2, BH=_block(head), BT=TOKENS_PER_PROGRAM, num_warps=WARPS,
         )  # fmt: skip
         ctx.save_for_backward(qkv, wq, wk, freqs)
-        ctx.dims, ctx.eps = (s, b, groups, qpg, head), (eps_q, eps_k)
+        ctx.dims, ctx.eps, ctx.grad_amax = (s, b, groups, qpg, head), (eps_q, eps_k), grad_amax
         return q, k, v
 
     @staticmethod
@@ -180,12 +200,17 @@ class QKNormRope(torch.autograd.Function):
         )
         dqkv = qkv.new_empty(s, b, groups * (qpg + 2) * head)
         grid = (triton.cdiv(s * b, TOKENS_PER_PROGRAM), groups)
+        link = ctx.grad_amax
+        partials = torch.empty(grid[0] * grid[1], device=qkv.device, dtype=torch.float32) if link else None
         _qk_rope_bwd_kernel[grid](
-            qkv, wq, wk, freqs, dq, dk, dv, dqkv, s * b, b, qkv.stride(0), qkv.stride(1),
+            qkv, wq, wk, freqs, dq, dk, dv, dqkv, partials, s * b, b, qkv.stride(0), qkv.stride(1),
             dq.stride(-3), dq.stride(-2), dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2),
-            *ctx.eps, QPG=qpg, HALF=head // 2, BH=_block(head), BT=TOKENS_PER_PROGRAM, num_warps=WARPS,
+            *ctx.eps, QPG=qpg, HALF=head // 2, BH=_block(head), BT=TOKENS_PER_PROGRAM, AMAX=link is not None,
+            num_warps=WARPS,
         )  # fmt: skip
-        return dqkv, None, None, None, None, None, None, None
+        if link is not None:
+            link.give(dqkv, partials)
+        return dqkv, None, None, None, None, None, None, None, None
 
 
 def qk_norm_rope(
@@ -194,10 +219,13 @@ def qk_norm_rope(
     q_norm: torch.nn.Module,
     k_norm: torch.nn.Module,
     freqs: torch.Tensor,
+    grad_amax: GradAmax | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Query, key and value for attention from ``linear_qkv``'s output (megatron's layout: per query
     group its query heads, then its key and value head), with the q/k norms (:class:`QKNorm`: ``weight``,
-    ``eps``) and RoPE by ``freqs`` [s, 1, 1, head] applied; see the module docstring."""
+    ``eps``) and RoPE by ``freqs`` [s, 1, 1, head] applied; see the module docstring. ``grad_amax``: the
+    backward kernel also takes the amax of the QKV gradient it writes and gives it there (FP8 current
+    scaling, :mod:`~twinkle_specs.lora.fp8_amax`)."""
     head = q_norm.weight.shape[0]
     if freqs.shape != (mixed_qkv.shape[0], 1, 1, head):
         raise ValueError(
@@ -205,4 +233,6 @@ def qk_norm_rope(
             f"{tuple(mixed_qkv.shape)} (expected [{mixed_qkv.shape[0]}, 1, 1, {head}])"
         )
     f = freqs.reshape(freqs.shape[0], head).float().contiguous()
-    return QKNormRope.apply(mixed_qkv, q_norm.weight, k_norm.weight, f, groups, head, q_norm.eps, k_norm.eps)
+    return QKNormRope.apply(
+        mixed_qkv, q_norm.weight, k_norm.weight, f, groups, head, q_norm.eps, k_norm.eps, grad_amax
+    )

@@ -104,7 +104,7 @@ def _frozen(spec: Any) -> Any:
 
 
 def _unfused(spec: Any) -> tuple[Any, Any] | None:
-    """``(TENorm, the plain TE column-parallel linear's spec)`` for the spec of TE's norm-fused linear,
+    """``(HiddenNorm, the plain TE column-parallel linear's spec)`` for the spec of TE's norm-fused linear,
     None for any other.
 
     Why an adapted QKV or fc1 is not norm-fused: its adapter reads the normalised input too. Inside TE's
@@ -113,15 +113,18 @@ def _unfused(spec: Any) -> tuple[Any, Any] | None:
     backward and add its input gradient to the base's after the norm. With the norm a module of its
     own (what megatron's portable spec and its MoE layers do anyway) the adapter reads the norm's
     output and its gradient joins the base linear's before the one norm backward: on the Qwen3-8B shape
-    that is 16 norm kernels forward and 16 backward fewer per step. TE runs the same norm kernel either
-    way, so the base's numerics do not change; checkpoint keys stay those of the fused module
-    (``sharded_state_dict_keys_map``)."""
+    that is 16 norm kernels forward and 16 backward fewer per step. The norm is
+    :class:`~twinkle_specs.lora.norm.HiddenNorm` (TE's arithmetic without the frozen weight's gradient,
+    and under FP8 the amax of its output for the linear's cast); checkpoint keys stay those of the fused
+    module (``sharded_state_dict_keys_map``)."""
     base = _class_of(spec)
     if base.__module__ != TE_MODULE or base.__name__ != "TELayerNormColumnParallelLinear":
         return None
-    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
 
-    return TENorm, _with_class(spec, TEColumnParallelLinear)
+    from .norm import HiddenNorm
+
+    return HiddenNorm, _with_class(spec, TEColumnParallelLinear)
 
 
 def _qk_norm(spec: Any) -> Any:
