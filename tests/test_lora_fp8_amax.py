@@ -66,17 +66,39 @@ def _scale_errors() -> dict[str, float]:
         for max_fp8 in (E4M3_MAX, E5M2_MAX):
             for eps in (0.0, 1e-3):
                 for pow2 in (False, True):
-                    scale, got_amax = fp8_amax.scale_from_partials(partials, max_fp8, eps, pow2)
+                    scale, got_amax, scale_inv = fp8_amax.scale_from_partials(partials, max_fp8, eps, pow2)
                     key = f"{name}/{max_fp8:g}/{eps:g}/{pow2}"
-                    errors[f"scale/{key}"] = _diff(scale.item(), te_scale(amax, max_fp8, pow2, eps))
+                    want = te_scale(amax, max_fp8, pow2, eps)
+                    errors[f"scale/{key}"] = _diff(scale.item(), want)
                     errors[f"amax/{key}"] = _diff(got_amax.item(), amax)
+                    # TE's cast kernels' reciprocal: 1 / scale in fp32, rounded to nearest
+                    with np.errstate(divide="ignore"):
+                        errors[f"scale_inv/{key}"] = _diff(
+                            scale_inv.item(), float(np.float32(1) / np.float32(want))
+                        )
     return errors
+
+
+def _cast_errors() -> dict[str, float]:
+    """The cast kernel's blocks, masking and scale, with an fp32 output (the interpreter's own FP8 rounding
+    is not the GPU's: the FP8 bytes against TE's cast, bit for bit, are the GPU test's): every value
+    ``x * scale`` exactly, over ragged blocks, and the bytes past the end unwritten."""
+    n = 2 * fp8_amax.CAST_BLOCK + 37
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(3)) * 5).to(torch.bfloat16)
+    scale = torch.tensor([448.0 / x.float().abs().max().item()])
+    out = torch.full((n + 5,), -7.0)
+    fp8_amax._cast_kernel[(3,)](x, scale, out, n, BLOCK=fp8_amax.CAST_BLOCK)
+    return {
+        "cast": (out[:n] - x.float() * scale).abs().max().item(),
+        "cast-tail": float(not torch.all(out[n:] == -7.0)),
+    }
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_scale_kernel_is_te_compute_scale_from_amax():
     errors = interpreted(__file__)
-    assert len(errors) == len(CASES) * 2 * 2 * 2 * 2, errors
+    assert (errors.pop("cast"), errors.pop("cast-tail")) == (0.0, 0.0)
+    assert len(errors) == len(CASES) * 2 * 2 * 2 * 3, errors
     assert errors["scale/ordinary/448/0/False"] == 0.0 and te_scale(1.7, E4M3_MAX, False, 0.0) != 1.0
     assert all(err == 0.0 for err in errors.values()), {k: e for k, e in errors.items() if e}
 
@@ -157,4 +179,4 @@ def test_a_tag_is_dropped_when_its_tensor_changes():
 
 
 if __name__ == "__main__":
-    print(json.dumps(_scale_errors()))
+    print(json.dumps(_scale_errors() | _cast_errors()))

@@ -538,9 +538,10 @@ def test_te_fp8_frozen_base_is_quantized_once(lora_checkpoints, gpu, monkeypatch
 
 
 def test_te_fp8_known_amax_cast_is_te_current_scaling(gpu):
-    """fp8_amax's cast (TE's scale computed from the SwiGLU kernel's partial maxima, TE's cast with a given
-    scale) against TE's own current-scaling quantizer on the same tensor: the FP8 bytes and the inverse
-    scale bit for bit, E4M3 and E5M2, with and without power-of-two scales and an amax epsilon."""
+    """fp8_amax's cast (TE's scale computed from the SwiGLU kernel's partial maxima; our cast kernel for a
+    contiguous tensor, TE's cast with the scale given for a strided one) against TE's own current-scaling
+    quantizer on the same tensor: the FP8 bytes and the inverse scale bit for bit, E4M3 and E5M2, with and
+    without power-of-two scales and an amax epsilon."""
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
     from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
@@ -566,12 +567,14 @@ def test_te_fp8_known_amax_cast_is_te_current_scaling(gpu):
                 force_pow_2_scales=pow2,
                 amax_epsilon=eps,
             )
-            want = te(out)
-            got = fp8_amax.KnownAmaxCast(te)(out, partials)
-            assert torch.equal(got._scale_inv, want._scale_inv), (fp8_dtype, pow2, eps)
-            assert torch.equal(got._data, want._data), (fp8_dtype, pow2, eps)
-            compared += 1
-    assert compared == 6
+            for x in (out, out.t()):  # contiguous: our cast kernel; strided: TE's cast with the scale given
+                want = te(x)
+                got = fp8_amax.KnownAmaxCast(te)(x, partials)
+                assert torch.equal(got._scale_inv, want._scale_inv), (fp8_dtype, pow2, eps, x.stride())
+                assert torch.equal(got._data, want._data), (fp8_dtype, pow2, eps, x.stride())
+                assert got.shape == x.shape and torch.equal(got.dequantize(), want.dequantize())
+                compared += 1
+    assert compared == 12
 
 
 def test_te_fp8_lora_kernel_amax_trains_as_te_current_scaling(lora_checkpoints, gpu, monkeypatch):

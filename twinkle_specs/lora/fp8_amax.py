@@ -8,9 +8,10 @@ the norm outputs that QKV and fc1 take (:class:`~.norm.HiddenNorm`), and QKV's o
 by the q/k norm + RoPE backward (:mod:`.qk_rope`). Here that amax becomes the scale TE would compute
 from it (TE's ``compute_scale_from_amax``: the epsilon floor, 1 for a zero or non-finite amax,
 ``max_fp8 / amax`` divided to nearest, fp32's largest value for an infinite quotient, the power-of-two
-option), and TE's per-tensor cast (the cast of its delayed-scaling quantizer, which takes a given scale)
-makes the FP8 tensor, which TE's linears take as they take their own: the same scale and the same cast
-kernel, so the same FP8 values as TE's current scaling, one read fewer per tensor.
+option), and a cast kernel with TE's arithmetic (``x * scale`` rounded to nearest, saturating; the inverse
+scale ``1 / scale``) makes TE's FP8 tensor, which TE's linears take as they take their own: the same FP8
+values as TE's current scaling, one read fewer per tensor. (TE's own cast with a given scale, that of its
+delayed-scaling quantizer, would take the amax once more on the way; it serves strided tensors.)
 
 How the amax travels: a forward tensor carries its kernel's partial maxima (:func:`tag`, checked against
 the tensor's version when read, :func:`tagged`); a gradient's go through a :class:`GradAmax` from the
@@ -39,14 +40,15 @@ except ImportError:  # no kernel without Triton: nothing here is offered then
 
 ENV = "TWINKLE_FP8_KERNEL_AMAX"
 AMAX_ATTR = "_twinkle_fp8_amax"  # a forward tensor's (partial maxima, version), see tag()
-BLOCK = 1024
+BLOCK = 4096  # the scale kernel's partial maxima per pass (those of a 4096-token norm output in one)
+CAST_BLOCK = 4096
 FLOAT32_MAX = torch.finfo(torch.float32).max  # TE's scale where max_fp8 / amax overflows
 
 if triton is not None:
 
     @triton.jit
     def _scale_kernel(
-        partials_ptr, scale_ptr, amax_ptr, max_fp8, eps,
+        partials_ptr, scale_ptr, scale_inv_ptr, amax_ptr, max_fp8, eps,
         N: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, INF_SCALE: tl.constexpr,
     ):  # fmt: skip
         """One program: the amax over ``N`` partial maxima, and TE's scale for it (``compute_scale_from_amax``,
@@ -64,19 +66,41 @@ if triton is not None:
         if POW2:  # keep sign and exponent
             bits = scale.to(tl.uint32, bitcast=True) & 0xFF800000
             scale = bits.to(tl.uint32).to(tl.float32, bitcast=True)
-        tl.store(scale_ptr, tl.where(finite, scale, 1.0))
+        scale = tl.where(finite, scale, 1.0)
+        tl.store(scale_ptr, scale)
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))  # TE's cast kernels' reciprocal, 1 / scale
+
+    @triton.jit
+    def _cast_kernel(x_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        """``x * scale`` rounded to nearest in the output's FP8 format, saturating: TE's per-tensor cast
+        (``unary_kernel``) without the amax it takes on the way, which is known here."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, (x * tl.load(scale_ptr)).to(out_ptr.dtype.element_ty), mask=m)
 
 
 def scale_from_partials(partials: torch.Tensor, max_fp8: float, eps: float, pow2: bool) -> tuple:
-    """``(scale, amax)``, each a one-element fp32 tensor on the partials' device, as TE's current scaling
-    computes them for a tensor whose tiles' largest magnitudes are ``partials``."""
-    scale = torch.empty(1, device=partials.device, dtype=torch.float32)
-    amax = torch.empty_like(scale)
+    """``(scale, amax, scale_inv)``, each a one-element fp32 tensor on the partials' device, as TE's
+    current scaling computes them for a tensor whose tiles' largest magnitudes are ``partials``."""
+    scale = torch.empty(3, device=partials.device, dtype=torch.float32)
     _scale_kernel[(1,)](
-        partials, scale, amax, float(max_fp8), float(eps),
-        N=partials.numel(), POW2=bool(pow2), BLOCK=BLOCK, INF_SCALE=FLOAT32_MAX,
+        partials, scale, scale[2:], scale[1:2], float(max_fp8), float(eps),
+        N=partials.numel(), POW2=bool(pow2), BLOCK=BLOCK, INF_SCALE=FLOAT32_MAX, num_warps=8,
     )  # fmt: skip
-    return scale, amax
+    return scale[:1], scale[1:2], scale[2:]
+
+
+class _KnownAmaxCastFunc(torch.autograd.Function):
+    """The cast as TE connects its own to autograd: the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cast: Any) -> torch.Tensor:
+        return cast(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 @dataclass
@@ -88,17 +112,34 @@ class KnownAmaxCast:
 
     def __call__(self, x: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
         """``x`` as TE's Float8Tensor (row-wise data only), connected to autograd as TE's own casts are
-        (the gradient passes through unchanged)."""
+        (the gradient passes through unchanged). A contiguous CUDA tensor is cast by :func:`_cast_kernel`
+        (TE's cast without its amax), another by TE's delayed-scaling cast with the scale given."""
         import transformer_engine_torch as tex
-        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
 
         fp8 = torch.float8_e4m3fn if self.like.dtype == tex.DType.kFloat8E4M3 else torch.float8_e5m2
         max_fp8 = torch.finfo(fp8).max  # 448 and 57344, TE's max_norm of each format
-        scale, amax = scale_from_partials(
+        scale, amax, scale_inv = scale_from_partials(
             partials, max_fp8, self.like.amax_epsilon, self.like.force_pow_2_scales
         )
         quantizer = Float8Quantizer(scale, amax, self.like.dtype, rowwise=True, columnwise=False)
-        return quantizer(x)
+        if not (x.is_cuda and x.is_contiguous()):
+            return quantizer(x)
+
+        def cast(x: torch.Tensor) -> torch.Tensor:
+            data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+            n = x.numel()
+            _cast_kernel[(triton.cdiv(n, CAST_BLOCK),)](
+                x, scale, data.view(fp8), n, BLOCK=CAST_BLOCK, num_warps=8
+            )
+            return Float8Tensor(
+                shape=x.shape, dtype=x.dtype, data=data, fp8_scale_inv=scale_inv, fp8_dtype=self.like.dtype,
+                requires_grad=False, quantizer=quantizer,
+            )  # fmt: skip
+
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _KnownAmaxCastFunc.apply(x, cast)
+        return cast(x)
 
 
 class GradAmax:
