@@ -240,10 +240,10 @@ def test_fp8_known_amax_casts_reach_the_base_only(te, single_rank, monkeypatch):
     and the input gradient passes through the cast; an untagged input, or one modified since its tag,
     reaches the base as it is. The base output's gradient passes through ``lora_out_grad`` after the
     adapter's GEMMs took it as it is."""
-    from twinkle_specs.lora import fp8_amax
+    from twinkle_specs.lora import fp8_amax, layers
 
     casts: list = []
-    monkeypatch.setattr(fp8_amax, "input_cast", lambda module: lambda x, p: casts.append(p) or x * 3)
+    monkeypatch.setattr(layers, "input_cast", lambda module: lambda x, p: casts.append(p) or x * 3)
     config = _config()
     slots = {
         "q_proj": SlotSpec(4, 8, False),

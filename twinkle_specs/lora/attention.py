@@ -18,7 +18,7 @@ import torch
 from megatron.core.transformer import attention as mcore_attention
 from megatron.core.transformer.attention import SelfAttention
 
-from . import fp8_amax
+from .fp8_amax import CastGrad, grad_amax
 from .layers import LoraLinearMixin
 from .norm import QKNorm
 from .qk_rope import fusable, qk_norm_rope
@@ -57,20 +57,20 @@ class LoraSelfAttention(SelfAttention):
         freqs = self._qk_rope_freqs
         if freqs is None:
             return super().get_query_key_value_tensors(hidden_states, key_value_states, *args, **kwargs)
-        qkv, grad_amax = self.linear_qkv, fp8_amax.grad_amax(self.linear_qkv)
-        if grad_amax is None:
+        qkv, link = self.linear_qkv, grad_amax(self.linear_qkv)
+        if link is None:
             mixed_qkv, _ = qkv(hidden_states)
         elif isinstance(qkv, LoraLinearMixin):
-            mixed_qkv, _ = qkv(hidden_states, lora_out_grad=grad_amax)
+            mixed_qkv, _ = qkv(hidden_states, lora_out_grad=link)
         else:
-            mixed_qkv = fp8_amax.CastGrad.apply(qkv(hidden_states)[0], grad_amax)
+            mixed_qkv = CastGrad.apply(qkv(hidden_states)[0], link)
         return qk_norm_rope(
             mixed_qkv,
             self.num_query_groups_per_partition,
             self.q_layernorm,
             self.k_layernorm,
             freqs,
-            grad_amax,
+            link,
         )
 
     def _fused_rope(self, args: dict) -> torch.Tensor | None:

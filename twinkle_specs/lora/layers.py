@@ -63,9 +63,8 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from . import fp8_amax
 from .config import SITE_SLOTS, SlotSpec
-from .fp8_amax import CastGrad, GradAmax
+from .fp8_amax import CastGrad, GradAmax, input_cast, tagged
 from .functions import AddLowRank, Gather, GradLink, IntoBaseGrad, LowRankDown, low_rank_down
 from .recompute import InputRecipe, RoutedTokens, recompute_allowed
 
@@ -581,8 +580,8 @@ def _fp8_known_amax(module: torch.nn.Module, input_: torch.Tensor, x: torch.Tens
     """``x`` (``input_`` as the base takes it) as TE's FP8 tensor where the kernel that wrote ``input_``
     took its amax and TE's current scaling applies to this linear (:mod:`~twinkle_specs.lora.fp8_amax`),
     else None."""
-    partials = fp8_amax.tagged(input_)
-    cast = fp8_amax.input_cast(module) if partials is not None else None
+    partials = tagged(input_)
+    cast = input_cast(module) if partials is not None else None
     return cast(x, partials) if cast is not None else None
 
 
