@@ -83,12 +83,13 @@ if triton is not None:
 def scale_from_partials(partials: torch.Tensor, max_fp8: float, eps: float, pow2: bool) -> tuple:
     """``(scale, amax, scale_inv)``, each a one-element fp32 tensor on the partials' device, as TE's
     current scaling computes them for a tensor whose tiles' largest magnitudes are ``partials``."""
-    scale = torch.empty(3, device=partials.device, dtype=torch.float32)
+    # each its own allocation: cuBLAS takes the inverse scale's address, which an offset view misaligns
+    scale, amax, scale_inv = (torch.empty(1, device=partials.device, dtype=torch.float32) for _ in range(3))
     _scale_kernel[(1,)](
-        partials, scale, scale[2:], scale[1:2], float(max_fp8), float(eps),
+        partials, scale, scale_inv, amax, float(max_fp8), float(eps),
         N=partials.numel(), POW2=bool(pow2), BLOCK=BLOCK, INF_SCALE=FLOAT32_MAX, num_warps=8,
     )  # fmt: skip
-    return scale[:1], scale[1:2], scale[2:]
+    return scale, amax, scale_inv
 
 
 class _KnownAmaxCastFunc(torch.autograd.Function):
