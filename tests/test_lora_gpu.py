@@ -268,6 +268,25 @@ def _next_token_loss(model, toks: torch.Tensor, pos: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), toks[:, 1:].reshape(-1))
 
 
+def test_group_ends_reach_the_gpu_without_a_host_sync(gpu):
+    """The grouped GEMMs' offsets go to the GPU without the host waiting for the stream (under torch's sync
+    debug mode "error" a synchronizing copy raises; the plain copy from pageable memory does), with the
+    right values once the stream has run."""
+    from twinkle_specs.lora import experts
+
+    experts._LAST_ENDS.clear()
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        busy = busy @ busy  # work queued ahead of the copy
+        ends = experts.group_ends([5, 0, 7, 4], torch.device("cuda"))
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            torch.tensor([5, 5, 12, 16], dtype=torch.int32, device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert ends.tolist() == [5, 5, 12, 16] and ends.dtype == torch.int32
+
+
 def test_te_frozen_experts_on_grouped_mm_match_te_grouped_linear(lora_checkpoints, gpu, monkeypatch):
     """Qwen3-MoE, LoRA all-linear, TE grouped-GEMM experts in bf16: the frozen experts' base on torch's
     grouped GEMM (experts.FrozenGroupedMM) gives the loss and adapter gradients of TE's GroupedLinear

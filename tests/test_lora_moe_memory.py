@@ -290,3 +290,14 @@ def test_merged_fc1_drops_the_routers_record(te, single_rank, cpu_recompute, mon
     with torch.no_grad():
         moe(x)
     assert recipe.pending is None and recipe.checked and recipe.ok
+
+
+def test_group_ends_are_the_blocks_ends_copied_once_per_splits():
+    """The grouped GEMMs' offsets: the token blocks' running ends (int32, an empty expert an empty block),
+    and the last answer reused for equal splits (fc1 and fc2 of one MoE layer), a new one for others."""
+    from twinkle_specs.lora.experts import group_ends
+
+    ends = group_ends([3, 0, 5, 2], torch.device("cpu"))
+    assert ends.dtype == torch.int32 and ends.tolist() == [3, 3, 8, 10]
+    assert group_ends([3, 0, 5, 2], torch.device("cpu")) is ends
+    assert group_ends([3, 1, 5, 2], torch.device("cpu")).tolist() == [3, 4, 9, 11]

@@ -139,12 +139,22 @@ _LAST_ENDS: list = []  # [(splits, device, ends)]: the most recent, see group_en
 def group_ends(splits: list[int], device: torch.device) -> torch.Tensor:
     """The token blocks' ends (int32, on ``device``) for ``splits``. One host-to-device copy per MoE
     layer forward, not per GEMM: an expert MLP's fc1 and fc2 (and their adapters) get equal splits, so
-    the last answer is kept and reused when the splits are equal (compared by value)."""
+    the last answer is kept and reused when the splits are equal (compared by value).
+
+    The copy to a GPU goes from pinned memory without blocking: from pageable memory CUDA first waits for
+    everything queued on the stream, so the host would stop at every MoE layer until the GPU is idle, and
+    the GPU would then wait for the host's next launches. torch's pinned-memory cache keeps the source
+    until the copy has run. Not while a CUDA graph is being captured (a captured copy would read the
+    pinned buffer again at every replay): there the plain copy, which capture refuses, as before."""
     if _LAST_ENDS:
         last_splits, last_device, ends = _LAST_ENDS[0]
         if last_device == device and last_splits == splits:
             return ends
-    ends = torch.tensor(list(itertools.accumulate(splits)), dtype=torch.int32, device=device)
+    host = torch.tensor(list(itertools.accumulate(splits)), dtype=torch.int32)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        ends = host.pin_memory().to(device, non_blocking=True)
+    else:
+        ends = host.to(device)
     _LAST_ENDS[:] = [(list(splits), device, ends)]
     return ends
 
