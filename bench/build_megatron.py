@@ -240,7 +240,9 @@ def twinkle_model(
     import twinkle_specs as ts
 
     facts: dict[str, Any] = {}
-    model = ts.build_model(hf_dir, load_weights=False, lora=lora_config(s) if lora else None, **overrides)
+    model = ts.build_model(
+        hf_dir, load_weights=False, lora=lora_config(s, hf_dir) if lora else None, **overrides
+    )
     if timed_load and s.load:
         if any(hf_dir.glob("*.safetensors")):
             facts["load"] = time_load(model, hf_dir)

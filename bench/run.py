@@ -117,6 +117,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--lora-alpha", type=float, default=32.0)
+    ap.add_argument(
+        "--lora-targets",
+        choices=["all-linear", "unsloth"],
+        default="all-linear",
+        help="twinkle's adapters: peft's all-linear (as (d) trains them), or the set Unsloth's LoRA trains "
+        "(on Qwen3-MoE: no router, rank r on the experts' fused gate_up), so that (j) compares the same adapters",
+    )
     ap.add_argument("--no-ce-fusion", action="store_true", help="megatron: unfused vocab-parallel CE")
     ap.add_argument("--ce-impl", choices=["te", "native"], default="te", help="fused CE implementation")
     ap.add_argument(
@@ -258,6 +265,7 @@ def _settings(args, on_gpu: bool):
         dtype=args.dtype or ("bf16" if on_gpu else "fp32"),
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets,
         ce_fusion=not args.no_ce_fusion,
         ce_fusion_impl=args.ce_impl,
         cuda_graphs=args.cuda_graphs,

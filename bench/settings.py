@@ -3,8 +3,10 @@ measurer (:class:`Prepared`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +29,9 @@ class Settings:
     dtype: str = "bf16"  # bf16 | fp32
     lora_r: int = 16
     lora_alpha: float = 32.0
+    # twinkle's adapters: all-linear (peft's, as (d) trains them) | unsloth (the set Unsloth's LoRA trains,
+    # so that the Unsloth row compares the same adapters; see lora_config)
+    lora_targets: str = "all-linear"
     lr: float = 1e-5
     ce_fusion: bool = True  # megatron cross_entropy_loss_fusion (GPU)
     ce_fusion_impl: str = "te"  # te | native
@@ -48,11 +53,30 @@ class Settings:
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
 
 
-def lora_config(s: Settings):
-    """The adapters every LoRA variant trains: rank ``s.lora_r`` on all linear layers."""
+UNSLOTH_MOE_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+UNSLOTH_MOE_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def lora_config(s: Settings, hf_dir: Path | None = None):
+    """The adapters twinkle's LoRA variants train: rank ``s.lora_r`` on all linear layers (peft's
+    all-linear). With ``s.lora_targets == "unsloth"`` on Qwen3-MoE (its ``config.json`` in ``hf_dir``) the
+    set Unsloth's LoRA trains there instead: attention's projections and the routed experts' fused
+    ``gate_up_proj`` and ``down_proj`` at rank r, no router (peft's all-linear adapts the router and puts rank
+    2r on ``gate_up_proj``); elsewhere Unsloth's set is all-linear."""
     from twinkle_specs.lora import LoraConfig
 
+    if s.lora_targets == "unsloth" and hf_dir is not None and _model_type(hf_dir) == "qwen3_moe":
+        return LoraConfig(
+            r=s.lora_r,
+            lora_alpha=s.lora_alpha,
+            target_modules=UNSLOTH_MOE_ATTENTION,
+            target_parameters=UNSLOTH_MOE_EXPERTS,
+        )
     return LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, target_modules="all-linear")
+
+
+def _model_type(hf_dir: Path) -> str | None:
+    return json.loads((Path(hf_dir) / "config.json").read_text()).get("model_type")
 
 
 def count_params(model) -> tuple[int, int]:

@@ -142,7 +142,7 @@ def derived_metrics(r: dict[str, Any], hf_dir: Path, s: Settings) -> dict[str, A
         seq_len=s.seq_len,
         micro_batch_size=s.micro_batch_size * s.grad_accum,
         mode=mode,
-        lora=lora_config(s) if mode == "lora" else None,
+        lora=lora_config(s, hf_dir) if mode == "lora" else None,
         sequence_lengths=r.get("sequence_lengths"),
     )
     median = r["step_time_s"]["median"]

@@ -1415,3 +1415,31 @@ def test_profile_stacks_name_the_call_site_of_each_operator(tmp_path):
     text = (tmp_path / "profile-stacks.txt").read_text()
     sites = text.split("device time by operator and call site")[1]
     assert "aten::copy_" in sites and "transposed_copy_step" in sites, sites[:3000]
+
+
+@pytest.mark.parametrize("targets,want", [("all-linear", 747_380_736), ("unsloth", 481_886_208)])
+def test_unsloth_targets_train_unsloths_adapters_on_qwen3_moe(tmp_path, targets, want):
+    """``--lora-targets unsloth`` gives twinkle's LoRA the adapters Unsloth trains on Qwen3-MoE (attention's
+    projections, the routed experts' fused gate_up and down at rank r, no router), so the Unsloth row
+    compares the same adapters. The trainable counts at Qwen3-30B-A3B's shape, 36 layers, from the
+    resolved sites: the two counts the benchmark recorded on an H100 (2026-11-27: twinkle's all-linear
+    747,380,736, Unsloth 481,886,208). On a dense model both are all-linear."""
+    from bench.flops import _slot_dims
+    from bench.settings import Settings, lora_config
+    from bench.shapes import write_config
+    from twinkle_specs.hf_config import qwen_arch_from_hf
+
+    hf = write_config("qwen3-30b-a3b", 36, tmp_path / "moe")
+    arch = qwen_arch_from_hf(hf)
+    sites = lora_config(Settings(lora_r=16, lora_targets=targets), hf).resolve(
+        fused_experts=True, shared_expert=False
+    )
+    count = 0
+    for site, slots in sites.items():
+        for slot, spec in slots.items():
+            d_in, d_out, _ = _slot_dims(arch, site, slot)
+            count += spec.r * (d_in + d_out) * (arch.num_experts if site.startswith("experts.") else 1)
+    assert count * arch.num_layers == want
+    assert ("router" in sites) is (targets == "all-linear")
+    dense = write_config("qwen3-8b", 2, tmp_path / "dense")
+    assert lora_config(Settings(lora_targets="unsloth"), dense).target_modules == ("all-linear",)
