@@ -18,7 +18,7 @@ import torch
 from megatron.core.transformer import attention as mcore_attention
 from megatron.core.transformer.attention import SelfAttention
 
-from .fp8_amax import CastGrad, grad_amax
+from .fp8_amax import CastGrad, GradAmax, grad_cast
 from .layers import LoraLinearMixin
 from .norm import QKNorm
 from .qk_rope import fusable, qk_norm_rope
@@ -57,7 +57,8 @@ class LoraSelfAttention(SelfAttention):
         freqs = self._qk_rope_freqs
         if freqs is None:
             return super().get_query_key_value_tensors(hidden_states, key_value_states, *args, **kwargs)
-        qkv, link = self.linear_qkv, grad_amax(self.linear_qkv)
+        qkv, cast = self.linear_qkv, grad_cast(self.linear_qkv)
+        link = GradAmax(cast) if cast is not None else None  # the backward kernel's amax to that cast
         if link is None:
             mixed_qkv, _ = qkv(hidden_states)
         elif isinstance(qkv, LoraLinearMixin):

@@ -71,6 +71,12 @@ if triton is not None:
         tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))  # TE's cast kernels' reciprocal, 1 / scale
 
     @triton.jit
+    def tile_amax(x, m):
+        """The largest magnitude of tile ``x`` where ``m`` (fp32): a kernel's part of the amax FP8 current
+        scaling takes of what it writes (``x`` as written, rounded to its dtype)."""
+        return tl.max(tl.max(tl.where(m, tl.abs(x.to(tl.float32)), 0.0), 1), 0)
+
+    @triton.jit
     def _cast_kernel(x_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
         """``x * scale`` rounded to nearest in the output's FP8 format, saturating: TE's per-tensor cast
         (``unary_kernel``) without the amax it takes on the way, which is known here."""
@@ -195,10 +201,10 @@ def input_cast(module: torch.nn.Module) -> KnownAmaxCast | None:
     return KnownAmaxCast(quantizer) if quantizer is not None else None
 
 
-def grad_amax(module: torch.nn.Module) -> GradAmax | None:
-    """A :class:`GradAmax` for this TE linear's output gradient in this forward, or None."""
+def grad_cast(module: torch.nn.Module) -> KnownAmaxCast | None:
+    """The known-amax cast of this TE linear's output gradient for this forward, or None."""
     quantizer = _quantizer(module, "scaling_bwd") if _enabled() else None
-    return GradAmax(KnownAmaxCast(quantizer)) if quantizer is not None else None
+    return KnownAmaxCast(quantizer) if quantizer is not None else None
 
 
 @dataclass
@@ -216,11 +222,11 @@ def swiglu_fp8(fc1: torch.nn.Module, fc2: torch.nn.Module | None) -> SwigluFp8 |
     """The casts that apply to this forward of a LoRA MLP (see the module docstring), or None: fc1's
     output gradient, and fc2's input where ``fc2`` (the linear that takes SwiGLU's output as its base
     input) is given."""
-    grad = grad_amax(fc1)
+    grad = grad_cast(fc1)
     cast_in = input_cast(fc2) if fc2 is not None else None
     if grad is None and cast_in is None:
         return None
-    return SwigluFp8(cast_in, grad.cast if grad is not None else None)
+    return SwigluFp8(cast_in, grad)
 
 
 def _enabled() -> bool:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..te_extra_state import TEExtraState
+from .fp8_amax import current_scaling, tag
 
 try:
     import triton
@@ -37,6 +38,7 @@ MAX_WIDTH = 1024
 
 
 if triton is not None:
+    from .fp8_amax import tile_amax
 
     @triton.jit
     def _fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, rows, heads, s_tok, s_head, eps,
@@ -94,8 +96,7 @@ if triton is not None:
         tl.store(y_ptr + off, y, mask=m)
         tl.store(rstd_ptr + r, rstd, mask=r < rows)
         if AMAX:
-            mx = tl.max(tl.max(tl.where(m, tl.abs(y.to(tl.float32)), 0.0), 1), 0)
-            tl.store(amax_ptr + tl.program_id(0), mx)
+            tl.store(amax_ptr + tl.program_id(0), tile_amax(y, m))
 
     @triton.jit
     def _row_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, rows, N: tl.constexpr, BN: tl.constexpr,
@@ -201,10 +202,6 @@ class QKNorm(TEExtraState, torch.nn.Module):
         return F.rms_norm(x, (self.hidden_size,), self.weight.to(x.dtype), self.eps)
 
 
-def _use_row_kernels(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return frozen_on_gpu(x, weight)
-
-
 def _row_launch(n: int) -> tuple[int, int, int]:
     """``(BN, BR, warps)`` for rows of ``n``: a power-of-two block over the row, rows per program up to 4096
     elements, 8 warps from 4096 elements on (16 from 8192)."""
@@ -233,11 +230,7 @@ class FrozenRowRMSNorm(torch.autograd.Function):
         )  # fmt: skip
         ctx.save_for_backward(x2, weight, rstd)
         ctx.zero_centered = zero_centered
-        if partials is not None:
-            from .fp8_amax import tag
-
-            tag(y, partials)
-        return y
+        return y if partials is None else tag(y, partials)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -284,9 +277,7 @@ class HiddenNorm(TEExtraState, torch.nn.Module):
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_row_kernels(x, self.weight):
-            from .fp8_amax import current_scaling
-
+        if frozen_on_gpu(x, self.weight):
             return FrozenRowRMSNorm.apply(
                 x, self.weight, self.eps, self.zero_centered_gamma, current_scaling()
             )

@@ -35,6 +35,7 @@ WARPS = 4
 
 
 if triton is not None:
+    from .fp8_amax import tile_amax
 
     @triton.jit
     def _cos_sin(freqs_ptr, pos, m, HALF: tl.constexpr, BH: tl.constexpr):
@@ -85,12 +86,7 @@ if triton is not None:
         o1, o2 = (rstd * (g1 - xh1 * dot)).to(dtype), (rstd * (g2 - xh2 * dot)).to(dtype)
         tl.store(dst, o1, mask=m)
         tl.store(dst + HALF, o2, mask=m)
-        return tl.maximum(_absmax(o1, m), _absmax(o2, m))
-
-    @triton.jit
-    def _absmax(x, m):
-        """The largest magnitude of ``x`` where ``m`` (fp32): the amax FP8 current scaling takes."""
-        return tl.max(tl.max(tl.where(m, tl.abs(x.to(tl.float32)), 0.0), 1), 0)
+        return tl.maximum(tile_amax(o1, m), tile_amax(o2, m))
 
     @triton.jit
     def _rows(qkv_ptr, freqs_ptr, T, B, s_tok, s_grp, HALF: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr):
@@ -152,7 +148,7 @@ if triton is not None:
         tl.store(drow + off, dv1, mask=m)
         tl.store(drow + off + HALF, dv2, mask=m)
         if AMAX:
-            mx = tl.maximum(mx, tl.maximum(_absmax(dv1, m), _absmax(dv2, m)))
+            mx = tl.maximum(mx, tl.maximum(tile_amax(dv1, m), tile_amax(dv2, m)))
             tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + g, mx)
 
 
