@@ -15,6 +15,8 @@ from . import (
     cross_entropy_without_sync,
     cuda_device_on_host,
     grad_norm_on_device,
+    moe_counts_on_device,
+    moe_single_rank_sort,
     packed_seq_1d,
     rope_on_host,
     router_on_host,
@@ -28,6 +30,8 @@ PATCHES = [
     cuda_device_on_host,
     grad_norm_on_device,
     cross_entropy_without_sync,
+    moe_single_rank_sort,
+    moe_counts_on_device,
     packed_seq_1d,
 ]
 OFF_ENV = "TWINKLE_PATCHES_OFF"

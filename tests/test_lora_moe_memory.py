@@ -51,19 +51,21 @@ def _moe_layer(te, targets=("gate_proj", "up_proj", "down_proj"), **overrides): 
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     later = {k: overrides.pop(k) for k in list(overrides) if k not in fields}  # a newer megatron's fields
     config = _config(
-        num_moe_experts=EXPERTS,
-        moe_router_topk=TOPK,
-        moe_ffn_hidden_size=FFN,
-        moe_grouped_gemm=True,
-        moe_token_dispatcher_type="allgather",  # the all-to-all one needs CUDA streams
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        bias_activation_fusion=False,
-        qk_layernorm=True,  # Qwen3-MoE: peft's gate_up_proj/down_proj are the routed experts
-        **overrides,
+        **dict(
+            num_moe_experts=EXPERTS,
+            moe_router_topk=TOPK,
+            moe_ffn_hidden_size=FFN,
+            moe_grouped_gemm=True,
+            moe_token_dispatcher_type="allgather",  # the all-to-all one needs CUDA streams
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            bias_activation_fusion=False,
+            qk_layernorm=True,  # Qwen3-MoE: peft's gate_up_proj/down_proj are the routed experts
+        )
+        | overrides
     )
     for name, value in later.items():
         setattr(config, name, value)

@@ -127,9 +127,15 @@ def test_collectives_allocate_on_host_only_inside_megatron_mappings():
 
 
 def test_gpu_patches_stay_off_on_cpu_hosts():
-    from twinkle_specs.patches import cross_entropy_without_sync, grad_norm_on_device
+    from twinkle_specs.patches import (
+        cross_entropy_without_sync,
+        grad_norm_on_device,
+        moe_counts_on_device,
+        moe_single_rank_sort,
+    )
 
-    assert not grad_norm_on_device.is_needed() and not cross_entropy_without_sync.is_needed()
+    gpu_only = [grad_norm_on_device, cross_entropy_without_sync, moe_single_rank_sort, moe_counts_on_device]
+    assert not any(p.is_needed() for p in gpu_only)
 
 
 def test_patches_off_env_skips_named_patches_and_rejects_unknown_names(monkeypatch):

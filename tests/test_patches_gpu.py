@@ -38,7 +38,18 @@ def _upstream(monkeypatch) -> None:
     monkeypatch.setattr(language_module, "te_parallel_cross_entropy", te_ext.te_parallel_cross_entropy)
 
 
-def _lora_training(hf, clip_grad: float):
+def _upstream_moe(monkeypatch) -> None:
+    """Megatron's own MoE dispatch back (before a model is built: the sort's orders are marked at the
+    dispatcher's construction)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    monkeypatch.setattr(token_dispatcher, "sort_chunks_by_idxs", moe_utils.sort_chunks_by_idxs)
+    for name in ("__init__", "_maybe_dtoh_and_synchronize"):
+        monkeypatch.setattr(dispatcher, name, getattr(dispatcher, name).__wrapped__)
+
+
+def _lora_training(hf, clip_grad: float, **overrides):
     """A bf16 LoRA model under megatron DDP and the distributed optimizer (as the benchmark runs it);
     returns ``step() -> (loss, grad_norm)``, the model and the optimizer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -58,6 +69,7 @@ def _lora_training(hf, clip_grad: float):
         bf16=True,
         cross_entropy_loss_fusion=True,
         cross_entropy_fusion_impl="te",
+        **overrides,
     )
     ddp = DistributedDataParallel(
         config=model.config,
@@ -183,4 +195,83 @@ def test_lora_step_makes_no_host_sync_and_trains_as_upstream(lora_checkpoints, g
     assert norm_rel <= 1e-5, (patched["norms"], upstream["norms"])
     assert moment_rel <= 1e-5, moment_rel  # a missed clip (x 1e-3) or a double one would be far off
     assert loss_rel <= 1e-3, (patched["losses"], upstream["losses"])
+    assert adapter_steps <= 2, adapter_steps
+
+
+def _syncs_and_event_waits(fn) -> tuple[list[str], int]:
+    """:func:`_syncs` of ``fn``, and how many times it waited on a CUDA event (``Event.synchronize``, which
+    the sync debug mode does not report)."""
+    waits, real = [], torch.cuda.Event.synchronize
+
+    def counted(event):
+        waits.append(1)
+        return real(event)
+
+    torch.cuda.Event.synchronize = counted
+    try:
+        return _syncs(fn), len(waits)
+    finally:
+        torch.cuda.Event.synchronize = real
+
+
+def test_moe_lora_step_makes_no_host_sync_and_trains_as_upstream(lora_checkpoints, gpu, monkeypatch):
+    """Qwen3-MoE, LoRA all-linear in bf16, the routed experts on torch's grouped GEMM (sm90), megatron's
+    all-to-all dispatcher with TE's fused permutation, as the benchmark runs it. Patched
+    (moe_single_rank_sort, moe_counts_on_device), a training step makes no host sync: none under the
+    sync debug mode and no CUDA event waited on; upstream waits on the counts' copy (an event) in every
+    MoE layer's forward and sorts the tokens by the identity. Losses, gradient norms and adapters as in
+    the dense test's bounds."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the experts take their counts on the device through torch's grouped GEMM: sm90 only")
+    from megatron.core.transformer.moe import token_dispatcher
+
+    assert getattr(token_dispatcher.sort_chunks_by_idxs, "skips_identity", False), "patch not in force"
+    hf = lora_checkpoints("qwen3_moe")
+    moe = dict(moe_grouped_gemm=True, moe_permute_fusion=True, moe_token_dispatcher_type="alltoall")
+    runs = {}
+    for name in ("patched", "upstream"):
+        with monkeypatch.context() as m:
+            if name == "upstream":
+                _upstream_moe(m)
+            step, model, _ = _lora_training(hf, 1e9, **moe)
+            layers = [mod for mod in model.modules() if hasattr(mod, "token_dispatcher")]
+            out = [step() for _ in range(3)]
+            syncs, waits = _syncs_and_event_waits(lambda: out.append(step()))  # noqa: B023 (called at once)
+            out.append(step())
+            adapters = {n: p.detach().float().clone() for n, p in model.named_parameters() if "lora" in n}
+        runs[name] = {
+            "syncs": syncs,
+            "waits": waits,
+            "losses": [float(loss) for loss, _ in out],
+            "norms": [float(n) for _, n in out],
+            "adapters": adapters,
+            "moe_layers": len(layers),
+            "counts_on_device": [
+                bool(getattr(x.token_dispatcher, "counts_on_device", False)) for x in layers
+            ],
+        }
+    patched, upstream = runs["patched"], runs["upstream"]
+    loss_rel = max(abs(a - b) / b for a, b in zip(patched["losses"], upstream["losses"], strict=True))
+    norm_rel = max(abs(a - b) / b for a, b in zip(patched["norms"], upstream["norms"], strict=True))
+    adapter_steps = max(
+        ((patched["adapters"][n] - u).abs().max() / (u.abs().max() * 2**-8)).item()
+        for n, u in upstream["adapters"].items()
+    )
+    EVIDENCE.record(
+        "moe_lora_step",
+        moe_layers=patched["moe_layers"],
+        upstream_syncs=upstream["syncs"],
+        upstream_event_waits=upstream["waits"],
+        patched_syncs=patched["syncs"],
+        patched_event_waits=patched["waits"],
+        loss_max_rel=loss_rel,
+        grad_norm_max_rel=norm_rel,
+        adapter_max_bf16_steps=adapter_steps,
+        losses=patched["losses"],
+    )
+    assert all(patched["counts_on_device"]) and patched["moe_layers"], patched["counts_on_device"]
+    assert patched["syncs"] == [] and patched["waits"] == 0, (patched["syncs"], patched["waits"])
+    assert upstream["waits"] >= upstream["moe_layers"], upstream["waits"]
+    assert loss_rel <= 1e-3, (patched["losses"], upstream["losses"])
+    assert norm_rel <= 1e-5, (patched["norms"], upstream["norms"])
     assert adapter_steps <= 2, adapter_steps

@@ -36,7 +36,7 @@ def expert_delta_grouped(
     x: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
-    splits: list[int],
+    splits: list[int] | DeviceCounts,
     scaling: float,
     ends: torch.Tensor | None = None,
     recipe: tuple | None = None,
@@ -114,14 +114,55 @@ class FrozenGroupedMM(torch.autograd.Function):
         return torch._grouped_mm(grad.contiguous(), w, offs=ends), None, None
 
 
-def grouped_mm_fits(x: torch.Tensor, splits: list[int], *weights: torch.Tensor) -> bool:
+class DeviceCounts:
+    """The routed experts' token counts left on the GPU, as megatron's ``TEGroupedMLP`` hands them to its
+    linears (``m_splits``) when the dispatcher did not copy them to the host
+    (``patches/moe_counts_on_device.py``): without that copy the host never waits for the router, so
+    the GPU never waits for the host's next launches at a MoE layer.
+
+    ``TEGroupedMLP.forward`` first calls ``tolist()``, which returns this object. The grouped GEMMs take
+    their offsets on the device (:meth:`ends`, once for fc1 and fc2); a path that needs the sizes on the
+    host (TE's GroupedLinear, the per-expert loop) gets :meth:`host`, which waits for them. ``rows`` is
+    the routed tokens' count, which the counts sum to (a dropless dispatch's static output size)."""
+
+    def __init__(self, counts: torch.Tensor, rows: int) -> None:
+        self.counts, self.rows = counts, rows
+        self._ends: torch.Tensor | None = None
+        self._host: list[int] | None = None
+
+    def tolist(self) -> DeviceCounts:
+        return self
+
+    def __len__(self) -> int:
+        return self.counts.numel()
+
+    def ends(self) -> torch.Tensor:
+        """The token blocks' ends (int32, on the counts' device), computed there once."""
+        if self._ends is None:
+            self._ends = torch.cumsum(self.counts, 0, dtype=torch.int32)
+        return self._ends
+
+    def host(self) -> list[int]:
+        """The counts as a host list (a host sync, once)."""
+        if self._host is None:
+            self._host = self.counts.tolist()
+        return self._host
+
+
+def on_host(splits: list[int] | DeviceCounts) -> list[int]:
+    """``splits`` as a host list (waiting for :class:`DeviceCounts`)."""
+    return splits.host() if isinstance(splits, DeviceCounts) else splits
+
+
+def grouped_mm_fits(x: torch.Tensor, splits: list[int] | DeviceCounts, *weights: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM runs here for ``x`` against each of ``weights`` ([experts, rows,
     cols] each): CUDA sm90, bf16, every row stride a multiple of 16 bytes, a 2-D token block of at
     least one token that ``splits`` covers. Blackwell is left out: its grouped GEMM gave non-zero
     gradients for zero-token experts (pytorch#172439)."""
     if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.dim() != 2 or not x.shape[0]:
         return False
-    if x.dtype != torch.bfloat16 or any(w.dtype != x.dtype for w in weights) or sum(splits) != x.shape[0]:
+    total = splits.rows if isinstance(splits, DeviceCounts) else sum(splits)
+    if x.dtype != torch.bfloat16 or any(w.dtype != x.dtype for w in weights) or total != x.shape[0]:
         return False
     if _device_capability(x.device)[0] != 9 or x.stride(-1) != 1 or x.stride(0) % 8:
         return False
@@ -136,16 +177,19 @@ def _device_capability(device: torch.device) -> tuple[int, int]:
 _LAST_ENDS: list = []  # [(splits, device, ends)]: the most recent, see group_ends
 
 
-def group_ends(splits: list[int], device: torch.device) -> torch.Tensor:
-    """The token blocks' ends (int32, on ``device``) for ``splits``. One host-to-device copy per MoE
-    layer forward, not per GEMM: an expert MLP's fc1 and fc2 (and their adapters) get equal splits, so
-    the last answer is kept and reused when the splits are equal (compared by value).
+def group_ends(splits: list[int] | DeviceCounts, device: torch.device) -> torch.Tensor:
+    """The token blocks' ends (int32, on ``device``) for ``splits`` (:meth:`DeviceCounts.ends` for counts
+    on the device). One host-to-device copy per MoE layer forward, not per GEMM: an expert MLP's fc1 and
+    fc2 (and their adapters) get equal splits, so the last answer is kept and reused when the splits are
+    equal (compared by value).
 
     The copy to a GPU goes from pinned memory without blocking: from pageable memory CUDA first waits for
     everything queued on the stream, so the host would stop at every MoE layer until the GPU is idle, and
     the GPU would then wait for the host's next launches. torch's pinned-memory cache keeps the source
     until the copy has run. Not while a CUDA graph is being captured (a captured copy would read the
     pinned buffer again at every replay): there the plain copy, which capture refuses, as before."""
+    if isinstance(splits, DeviceCounts):
+        return splits.ends()
     if _LAST_ENDS:
         last_splits, last_device, ends = _LAST_ENDS[0]
         if last_device == device and last_splits == splits:

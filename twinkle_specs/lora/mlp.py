@@ -25,6 +25,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from .config import SITE_SLOTS
+from .experts import DeviceCounts
 from .fp8_amax import SwigluFp8, swiglu_fp8
 from .functions import GradLink
 from .layers import LoraLayerMixin
@@ -109,7 +110,23 @@ class LoraGroupedMLP(TEGroupedMLP):
         super().__init__(num_local_experts, config, *args, **kwargs)
         self.lora_megatron_recompute = self.activation_recompute  # what the config asked for
 
-    def forward(self, *args: Any, **kwargs: Any):
+    def takes_device_counts(self) -> bool:
+        """Whether the routed token counts may stay on the GPU (:class:`~.experts.DeviceCounts`): both
+        linears are twinkle's grouped bases, and megatron's forward needs the counts for nothing else (no
+        FP8/FP4 padding, no bias split per expert, no probabilities applied to the input)."""
+        config = self.config
+        return (
+            all(getattr(m, "takes_device_counts", False) for m in (self.linear_fc1, self.linear_fc2))
+            and not (config.fp8 or config.fp4)
+            and not config.add_bias_linear
+            and not getattr(config, "moe_apply_probs_on_input", False)
+        )
+
+    def forward(self, hidden_states: torch.Tensor, tokens_per_expert: Any, *args: Any, **kwargs: Any):
+        # counts where the tokens are: the dispatcher left them on the GPU (on a CPU host, where they are)
+        on_device = torch.is_tensor(tokens_per_expert) and tokens_per_expert.device == hidden_states.device
+        if on_device and self.takes_device_counts():
+            tokens_per_expert = DeviceCounts(tokens_per_expert, rows=hidden_states.shape[0])
         fc2 = self.linear_fc2
         drop_fc2_input = (
             isinstance(fc2, LoraLayerMixin)
@@ -119,4 +136,4 @@ class LoraGroupedMLP(TEGroupedMLP):
             and recompute_allowed()
         )
         self.activation_recompute = self.lora_megatron_recompute or drop_fc2_input
-        return super().forward(*args, **kwargs)
+        return super().forward(hidden_states, tokens_per_expert, *args, **kwargs)

@@ -53,6 +53,7 @@ def prepare_lora_model(model) -> None:
         if embedding is not None and not getattr(chunk, "_lora_input_hook", None):
             chunk._lora_input_hook = embedding.register_forward_hook(_require_grad_hook)
         link_input_recipes(chunk)
+        keep_routed_counts_on_device(chunk)
         share_frozen_fp8_copies(chunk)
     bank_lora_factors(model)
 
@@ -196,6 +197,18 @@ def link_input_recipes(chunk: torch.nn.Module) -> None:
                 recipe = RoutedTokens(f"{name}.experts.linear_fc1")
                 module.router.register_forward_hook(recipe.put)
                 fc1.lora_input_recipe = recipe
+
+
+def keep_routed_counts_on_device(chunk: torch.nn.Module) -> None:
+    """Asks each MoE layer's token dispatcher to leave the routed token counts on the GPU where its
+    experts take them there (``LoraGroupedMLP.takes_device_counts``): the dispatcher then neither copies
+    them to the host nor waits for that copy (``patches/moe_counts_on_device.py``, which also decides
+    where nothing else needs them on the host). Idempotent."""
+    for module in chunk.modules():
+        dispatcher, experts = getattr(module, "token_dispatcher", None), getattr(module, "experts", None)
+        takes = getattr(experts, "takes_device_counts", None)
+        if dispatcher is not None and callable(takes):
+            dispatcher.counts_on_device = takes()
 
 
 def _routed_tokens_are_gathered(moe: Any) -> bool:

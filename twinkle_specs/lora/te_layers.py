@@ -24,12 +24,14 @@ from megatron.core.extensions.transformer_engine import (
 )
 
 from .experts import (
+    DeviceCounts,
     FrozenGroupedMM,
     StackedWeights,
     expert_delta_grouped,
     expert_delta_loop,
     group_ends,
     grouped_mm_fits,
+    on_host,
 )
 from .fp8_copies import Fp8CopyHistory, copies_to_settle, weights_stamp
 from .layers import LoraLayerMixin, LoraLinearMixin
@@ -129,24 +131,32 @@ class FrozenGroupedBase:
     over the experts' weights stacked, :class:`StackedWeights`) where torch has it for these tensors,
     instead of TE's GEMM per expert: with many small experts (Qwen3.5-MoE's 256 per layer) those launches,
     not the arithmetic, set the step time. Weights that train, a bias, FP8/FP4 or a token block torch's
-    grouped GEMM does not take: TE's GroupedLinear, as built."""
+    grouped GEMM does not take: TE's GroupedLinear, as built. Takes the token counts on the GPU
+    (:class:`~.experts.DeviceCounts`) as well as on the host."""
+
+    takes_device_counts = True
 
     def forward(self, x: torch.Tensor, m_splits: Any):
         out, bias, _, _ = self._grouped_base(x, m_splits)
         return out, bias
 
-    def _grouped_base(self, x: torch.Tensor, m_splits: Any) -> tuple[torch.Tensor, Any, list[int], Any]:
-        """``(out, bias, splits, ends)``: the base's output, the token blocks' sizes and, where the
-        grouped GEMM ran, their ends on the device (None where TE's GroupedLinear ran)."""
-        splits = m_splits.tolist() if torch.is_tensor(m_splits) else list(m_splits)
+    def _grouped_base(self, x: torch.Tensor, m_splits: Any) -> tuple[torch.Tensor, Any, Any, Any]:
+        """``(out, bias, splits, ends)``: the base's output, the token blocks' sizes (a list, or the
+        :class:`~.experts.DeviceCounts` given) and, where the grouped GEMM ran, their ends on the device
+        (None where TE's GroupedLinear ran, which takes the sizes from the host)."""
+        if isinstance(m_splits, DeviceCounts):
+            splits = m_splits
+        else:
+            splits = m_splits.tolist() if torch.is_tensor(m_splits) else list(m_splits)
         stack = self._frozen_base_stack(x, splits)
         if stack is None:
-            out, bias = super().forward(x, m_splits)
+            splits = on_host(splits)
+            out, bias = super().forward(x, splits)
             return out, bias, splits, None
         ends = group_ends(splits, x.device)
         return FrozenGroupedMM.apply(x, stack, ends), None, splits, ends
 
-    def _frozen_base_stack(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor | None:
+    def _frozen_base_stack(self, x: torch.Tensor, splits: Any) -> torch.Tensor | None:
         """The experts' weights as one [experts, out, in] tensor for :class:`FrozenGroupedMM`, or None
         where TE's GroupedLinear runs the base (see the class)."""
         config = self.config
@@ -208,7 +218,7 @@ class _LoraTEGroupedLinear(FrozenFp8WeightCache, LoraLayerMixin, FrozenGroupedBa
             recipe = recipe if recompute_allowed() else None
             delta = expert_delta_grouped(x, a, b, splits, scaling, ends, recipe)
         else:
-            delta = expert_delta_loop(x, a, b, splits, scaling)
+            delta = expert_delta_loop(x, a, b, on_host(splits), scaling)
         return out + delta.to(out.dtype), bias
 
 

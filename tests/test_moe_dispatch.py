@@ -1,0 +1,155 @@
+"""The MoE dispatch patches' logic on a CPU host (patches/moe_single_rank_sort.py,
+patches/moe_counts_on_device.py); their no-sync evidence is tests/test_patches_gpu.py.
+
+With one expert- and tensor-parallel rank megatron's all-to-all dispatcher sorts the routed tokens by a
+chunk order that is the identity, and copies the experts' token counts to the host for experts that
+(under twinkle's LoRA) take them on the device. Patched, the MoE block computes the same values without
+either: its output and every gradient equal those of megatron's all-gather dispatcher bit for bit, over
+the TE stand-ins, with torch's grouped GEMM forced (CPU runs torch's own kernel).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from test_lora_moe_memory import EXPERTS, HIDDEN, TOKENS, _moe_layer, _step, cpu_recompute  # noqa: F401
+from test_lora_support import single_rank  # noqa: F401  (fixture)
+from test_lora_te_standin import te  # noqa: F401  (fixture)
+from twinkle_specs.patches import moe_counts_on_device, moe_single_rank_sort
+
+from twinkle_specs.lora import experts as lora_experts
+from twinkle_specs.lora.model import keep_routed_counts_on_device
+
+
+@pytest.fixture
+def alltoall_on_host(monkeypatch):
+    """megatron's all-to-all dispatcher built on a CPU host: its constructor makes a CUDA stream for the
+    counts' copy once per process (stood in: the patched dispatch never uses it)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    monkeypatch.setattr(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())
+    return MoEAlltoAllTokenDispatcher
+
+
+def _patch(monkeypatch, dispatcher, sort: bool = True) -> list[int]:
+    """Both patches in force for this test (undone after it); returns the list counting upstream's sorts."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    upstream, sorts = token_dispatcher.sort_chunks_by_idxs, []
+
+    def counted(*args, **kwargs):
+        sorts.append(1)
+        return upstream(*args, **kwargs)
+
+    monkeypatch.setattr(token_dispatcher, "sort_chunks_by_idxs", counted)
+    if sort:
+        monkeypatch.setattr(
+            token_dispatcher, "sort_chunks_by_idxs", moe_single_rank_sort.skipping_identity(counted)
+        )
+        monkeypatch.setattr(
+            dispatcher, "__init__", moe_single_rank_sort.marking_identity(dispatcher.__init__)
+        )
+    wrapped = moe_counts_on_device.leaving_counts_on_device(dispatcher._maybe_dtoh_and_synchronize)
+    monkeypatch.setattr(dispatcher, "_maybe_dtoh_and_synchronize", wrapped)
+    return sorts
+
+
+def test_one_rank_chunk_orders_are_the_identity_and_marked(te, single_rank, alltoall_on_host, monkeypatch):  # noqa: F811
+    """With one EP x TP rank the dispatcher's two chunk orders are 0..experts-1, the sort with either is
+    a copy (upstream's unfused sort, on real tokens), and the patch marks both."""
+    from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
+
+    _patch(monkeypatch, alltoall_on_host)
+    dispatcher = _moe_layer(te, moe_token_dispatcher_type="alltoall").token_dispatcher
+    counts = torch.tensor([3, 0, 5, 1, 2, 4])
+    x, probs = torch.randn(int(counts.sum()), HIDDEN), torch.rand(int(counts.sum()))
+    for order in (dispatcher.sort_input_by_local_experts, dispatcher.restore_output_by_local_experts):
+        assert torch.equal(order, torch.arange(EXPERTS))
+        assert getattr(order, moe_single_rank_sort.KEEPS_ORDER)
+        out, out_probs = sort_chunks_by_idxs(x, counts, order, probs=probs)
+        assert torch.equal(out, x) and torch.equal(out_probs, probs)
+
+
+def test_alltoall_with_counts_on_device_equals_allgather(
+    te,  # noqa: F811
+    single_rank,  # noqa: F811
+    cpu_recompute,  # noqa: F811
+    alltoall_on_host,
+    monkeypatch,
+):
+    """The LoRA MoE block through the patched all-to-all dispatcher (no sort, the counts handed to the
+    experts as :class:`DeviceCounts`, their grouped GEMMs' offsets taken from them) gives the all-gather
+    dispatcher's output, input gradient and adapter gradients bit for bit; upstream's sort (patch off)
+    too, calling the sort twice a forward."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(TOKENS // 2, 2, HIDDEN, generator=g)
+    grad = torch.randn(TOKENS // 2, 2, HIDDEN, generator=g)
+    monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: True)
+    torch.manual_seed(0)
+    want = _step(_moe_layer(te), x, grad)
+
+    ends = []
+    real_ends = lora_experts.DeviceCounts.ends
+    monkeypatch.setattr(lora_experts.DeviceCounts, "ends", lambda self: ends.append(self) or real_ends(self))
+    for sort in (True, False):
+        with monkeypatch.context() as m:
+            sorts = _patch(m, alltoall_on_host, sort=sort)
+            torch.manual_seed(0)
+            moe = _moe_layer(te, moe_token_dispatcher_type="alltoall")
+            keep_routed_counts_on_device(moe)
+            assert moe.token_dispatcher.counts_on_device
+            ends.clear()
+            got = _step(moe, x, grad)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), sort
+        assert len(sorts) == (0 if sort else 2), (sort, len(sorts))
+        assert len({id(c) for c in ends}) == 1, "fc1 and fc2 share one DeviceCounts"
+
+
+def test_counts_stay_where_experts_cannot_take_them(te, single_rank, alltoall_on_host, monkeypatch):  # noqa: F811
+    """A dispatcher is asked to leave the counts on the device only where its experts take them: not
+    with fp8 (megatron pads each expert's block on the host), nor where the experts are not adapted
+    (megatron's own TEGroupedMLP calls ``tolist()``)."""
+    _patch(monkeypatch, alltoall_on_host)
+    for kwargs, takes in [
+        ({}, True),
+        ({"targets": ("q_proj",)}, False),
+        ({"add_bias_linear": True}, False),
+    ]:
+        moe = _moe_layer(te, moe_token_dispatcher_type="alltoall", **kwargs)
+        keep_routed_counts_on_device(moe)
+        assert getattr(moe.token_dispatcher, "counts_on_device", False) == takes, kwargs
+    moe = _moe_layer(te, moe_token_dispatcher_type="alltoall")
+    moe.experts.config = types.SimpleNamespace(**{**vars(moe.experts.config), "fp8": "hybrid"})
+    keep_routed_counts_on_device(moe)
+    assert not moe.token_dispatcher.counts_on_device
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"ep_size": 2},
+        {"tp_size": 2},
+        {"drop_and_pad": True},
+        {"moe_expert_capacity_factor": 1.0},
+        {"moe_router_padding_for_quantization": True},
+        {"counts_on_device": False},
+    ],
+    ids=["left", "ep2", "tp2", "drop_and_pad", "capacity", "padding", "not_asked"],
+)
+def test_counts_are_copied_as_upstream_unless_asked_and_enough(change):
+    """Upstream's copy and wait run for every dispatcher not asked, and for every asked one that needs
+    host values: split sizes for an all-to-all or gather over several ranks, a data-dependent output
+    size (capacity, padding)."""
+    config = {"moe_expert_capacity_factor": None, "moe_router_padding_for_quantization": False}
+    fields = {"ep_size": 1, "tp_size": 1, "drop_and_pad": False, "counts_on_device": True}
+    config |= {k: v for k, v in change.items() if k.startswith("moe_")}
+    fields |= {k: v for k, v in change.items() if not k.startswith("moe_")}
+    dispatcher = types.SimpleNamespace(config=types.SimpleNamespace(**config), **fields)
+    calls = []
+    wrapped = moe_counts_on_device.leaving_counts_on_device(lambda *a: calls.append(a) or "upstream")
+    counts = torch.tensor([2, 0, 1])
+    got = wrapped(dispatcher, "before_finish", counts)
+    assert (got is counts) == (change == {}) and (calls == []) == (change == {}), change
