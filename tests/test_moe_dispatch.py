@@ -72,23 +72,28 @@ def test_one_rank_chunk_orders_are_the_identity_and_marked(te, single_rank, allt
         assert torch.equal(out, x) and torch.equal(out_probs, probs)
 
 
+@pytest.mark.parametrize(
+    "targets", [("gate_proj", "up_proj", "down_proj"), ("q_proj",)], ids=["adapted", "frozen"]
+)
 def test_alltoall_with_counts_on_device_equals_allgather(
     te,  # noqa: F811
     single_rank,  # noqa: F811
     cpu_recompute,  # noqa: F811
     alltoall_on_host,
     monkeypatch,
+    targets,
 ):
     """The LoRA MoE block through the patched all-to-all dispatcher (no sort, the counts handed to the
     experts as :class:`DeviceCounts`, their grouped GEMMs' offsets taken from them) gives the all-gather
-    dispatcher's output, input gradient and adapter gradients bit for bit; upstream's sort (patch off)
-    too, calling the sort twice a forward."""
+    dispatcher's output, input gradient and adapter gradients bit for bit, with the experts adapted and
+    with them left frozen (mlp.FrozenGroupedMLP); upstream's sort (patch off) too, called twice a
+    forward."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(TOKENS // 2, 2, HIDDEN, generator=g)
     grad = torch.randn(TOKENS // 2, 2, HIDDEN, generator=g)
     monkeypatch.setattr(te, "grouped_mm_fits", lambda *a: True)
     torch.manual_seed(0)
-    want = _step(_moe_layer(te), x, grad)
+    want = _step(_moe_layer(te, targets), x, grad)
 
     ends = []
     real_ends = lora_experts.DeviceCounts.ends
@@ -97,7 +102,7 @@ def test_alltoall_with_counts_on_device_equals_allgather(
         with monkeypatch.context() as m:
             sorts = _patch(m, alltoall_on_host, sort=sort)
             torch.manual_seed(0)
-            moe = _moe_layer(te, moe_token_dispatcher_type="alltoall")
+            moe = _moe_layer(te, targets, moe_token_dispatcher_type="alltoall")
             keep_routed_counts_on_device(moe)
             assert moe.token_dispatcher.counts_on_device
             ends.clear()
@@ -108,13 +113,13 @@ def test_alltoall_with_counts_on_device_equals_allgather(
 
 
 def test_counts_stay_where_experts_cannot_take_them(te, single_rank, alltoall_on_host, monkeypatch):  # noqa: F811
-    """A dispatcher is asked to leave the counts on the device only where its experts take them: not
-    with fp8 (megatron pads each expert's block on the host), nor where the experts are not adapted
-    (megatron's own TEGroupedMLP calls ``tolist()``)."""
+    """A dispatcher is asked to leave the counts on the device only where its experts take them, adapted
+    or frozen: not with a bias (megatron splits it per expert on the host), nor with fp8 (it pads each
+    expert's block there)."""
     _patch(monkeypatch, alltoall_on_host)
     for kwargs, takes in [
         ({}, True),
-        ({"targets": ("q_proj",)}, False),
+        ({"targets": ("q_proj",)}, True),
         ({"add_bias_linear": True}, False),
     ]:
         moe = _moe_layer(te, moe_token_dispatcher_type="alltoall", **kwargs)

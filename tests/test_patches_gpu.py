@@ -49,7 +49,7 @@ def _upstream_moe(monkeypatch) -> None:
         monkeypatch.setattr(dispatcher, name, getattr(dispatcher, name).__wrapped__)
 
 
-def _lora_training(hf, clip_grad: float, **overrides):
+def _lora_training(hf, clip_grad: float, targets: str | list[str] = "all-linear", **overrides):
     """A bf16 LoRA model under megatron DDP and the distributed optimizer (as the benchmark runs it);
     returns ``step() -> (loss, grad_norm)``, the model and the optimizer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -64,7 +64,7 @@ def _lora_training(hf, clip_grad: float, **overrides):
     bf16 = torch.bfloat16
     model = ts.build_model(
         hf,
-        lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+        lora=LoraConfig(r=8, lora_alpha=16, target_modules=targets),
         params_dtype=bf16,
         bf16=True,
         cross_entropy_loss_fusion=True,
@@ -214,9 +214,13 @@ def _syncs_and_event_waits(fn) -> tuple[list[str], int]:
         torch.cuda.Event.synchronize = real
 
 
-def test_moe_lora_step_makes_no_host_sync_and_trains_as_upstream(lora_checkpoints, gpu, monkeypatch):
-    """Qwen3-MoE, LoRA all-linear in bf16, the routed experts on torch's grouped GEMM (sm90), megatron's
-    all-to-all dispatcher with TE's fused permutation, as the benchmark runs it. Patched
+@pytest.mark.parametrize(
+    "targets", ["all-linear", ["q_proj", "k_proj", "v_proj", "o_proj"]], ids=["adapted", "frozen_experts"]
+)
+def test_moe_lora_step_makes_no_host_sync_and_trains_as_upstream(lora_checkpoints, gpu, monkeypatch, targets):
+    """Qwen3-MoE, LoRA in bf16 on all linears or on attention only (the routed experts frozen), the routed
+    experts on torch's grouped GEMM (sm90), megatron's all-to-all dispatcher with TE's fused permutation,
+    as the benchmark runs it. Patched
     (moe_single_rank_sort, moe_counts_on_device), a training step makes no host sync: none under the
     sync debug mode and no CUDA event waited on; upstream waits on the counts' copy (an event) in every
     MoE layer's forward and sorts the tokens by the identity. Losses, gradient norms and adapters as in
@@ -233,7 +237,7 @@ def test_moe_lora_step_makes_no_host_sync_and_trains_as_upstream(lora_checkpoint
         with monkeypatch.context() as m:
             if name == "upstream":
                 _upstream_moe(m)
-            step, model, _ = _lora_training(hf, 1e9, **moe)
+            step, model, _ = _lora_training(hf, 1e9, targets, **moe)
             layers = [mod for mod in model.modules() if hasattr(mod, "token_dispatcher")]
             out = [step() for _ in range(3)]
             syncs, waits = _syncs_and_event_waits(lambda: out.append(step()))  # noqa: B023 (called at once)
@@ -258,7 +262,7 @@ def test_moe_lora_step_makes_no_host_sync_and_trains_as_upstream(lora_checkpoint
         for n, u in upstream["adapters"].items()
     )
     EVIDENCE.record(
-        "moe_lora_step",
+        f"moe_lora_step_{'adapted' if targets == 'all-linear' else 'frozen_experts'}",
         moe_layers=patched["moe_layers"],
         upstream_syncs=upstream["syncs"],
         upstream_event_waits=upstream["waits"],

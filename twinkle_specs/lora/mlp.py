@@ -92,7 +92,43 @@ def _fc1_b(fc1: LoraLayerMixin) -> torch.Tensor:
     return fc1.lora_B_fused()
 
 
-class LoraGroupedMLP(TEGroupedMLP):
+class CountsOnDevice:
+    """Routed experts (megatron's ``TEGroupedMLP``) that take the token counts where the tokens are: the
+    dispatcher leaves them on the GPU for experts that say so (``patches/moe_counts_on_device.py``,
+    :func:`~.model.keep_routed_counts_on_device`), and they reach the grouped linears as
+    :class:`~.experts.DeviceCounts`, whose grouped GEMMs take their offsets on the device."""
+
+    def takes_device_counts(self) -> bool:
+        """Whether the counts may stay on the GPU: both linears are twinkle's grouped bases, megatron's
+        forward calls them (not TE's op fuser), and it needs the counts for nothing else (no FP8/FP4
+        padding, no bias split per expert, no probabilities applied to the input)."""
+        config = self.config
+        return (
+            all(getattr(m, "takes_device_counts", False) for m in (self.linear_fc1, self.linear_fc2))
+            and not (config.fp8 or config.fp4)
+            and not config.add_bias_linear
+            and not getattr(config, "moe_apply_probs_on_input", False)
+            and not getattr(config, "use_transformer_engine_op_fuser", False)
+        )
+
+    def _counts(self, hidden_states: torch.Tensor, tokens_per_expert: Any) -> Any:
+        """``tokens_per_expert`` as :class:`~.experts.DeviceCounts` where it is on the tokens' device (the
+        dispatcher left it on the GPU; on a CPU host, where everything is) and the counts may stay there."""
+        on_device = torch.is_tensor(tokens_per_expert) and tokens_per_expert.device == hidden_states.device
+        if on_device and self.takes_device_counts():
+            return DeviceCounts(tokens_per_expert, rows=hidden_states.shape[0])
+        return tokens_per_expert
+
+
+class FrozenGroupedMLP(CountsOnDevice, TEGroupedMLP):
+    """Routed experts LoRA leaves unadapted: megatron's TEGroupedMLP over the frozen grouped linears
+    (``te_layers.FROZEN``), taking the token counts on the device."""
+
+    def forward(self, hidden_states: torch.Tensor, tokens_per_expert: Any, *args: Any, **kwargs: Any):
+        return super().forward(hidden_states, self._counts(hidden_states, tokens_per_expert), *args, **kwargs)
+
+
+class LoraGroupedMLP(CountsOnDevice, TEGroupedMLP):
     """TE grouped-GEMM experts with adapted fc1/fc2 whose fc2 adapter input is recomputed, not kept (see
     the module docstring): megatron's ``moe_act`` recompute runs whenever fc2's adapter does, unless
     fp8/fp4 (megatron then needs fc2 to keep its unquantized input, set up at construction) or saved-
@@ -110,23 +146,8 @@ class LoraGroupedMLP(TEGroupedMLP):
         super().__init__(num_local_experts, config, *args, **kwargs)
         self.lora_megatron_recompute = self.activation_recompute  # what the config asked for
 
-    def takes_device_counts(self) -> bool:
-        """Whether the routed token counts may stay on the GPU (:class:`~.experts.DeviceCounts`): both
-        linears are twinkle's grouped bases, and megatron's forward needs the counts for nothing else (no
-        FP8/FP4 padding, no bias split per expert, no probabilities applied to the input)."""
-        config = self.config
-        return (
-            all(getattr(m, "takes_device_counts", False) for m in (self.linear_fc1, self.linear_fc2))
-            and not (config.fp8 or config.fp4)
-            and not config.add_bias_linear
-            and not getattr(config, "moe_apply_probs_on_input", False)
-        )
-
     def forward(self, hidden_states: torch.Tensor, tokens_per_expert: Any, *args: Any, **kwargs: Any):
-        # counts where the tokens are: the dispatcher left them on the GPU (on a CPU host, where they are)
-        on_device = torch.is_tensor(tokens_per_expert) and tokens_per_expert.device == hidden_states.device
-        if on_device and self.takes_device_counts():
-            tokens_per_expert = DeviceCounts(tokens_per_expert, rows=hidden_states.shape[0])
+        tokens_per_expert = self._counts(hidden_states, tokens_per_expert)
         fc2 = self.linear_fc2
         drop_fc2_input = (
             isinstance(fc2, LoraLayerMixin)

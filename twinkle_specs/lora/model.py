@@ -201,7 +201,7 @@ def link_input_recipes(chunk: torch.nn.Module) -> None:
 
 def keep_routed_counts_on_device(chunk: torch.nn.Module) -> None:
     """Asks each MoE layer's token dispatcher to leave the routed token counts on the GPU where its
-    experts take them there (``LoraGroupedMLP.takes_device_counts``): the dispatcher then neither copies
+    experts take them there (``mlp.CountsOnDevice.takes_device_counts``): the dispatcher then neither copies
     them to the host nor waits for that copy (``patches/moe_counts_on_device.py``, which also decides
     where nothing else needs them on the host). Idempotent."""
     for module in chunk.modules():

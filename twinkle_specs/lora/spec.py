@@ -265,10 +265,12 @@ def _with_mlp(
     mlp_sub = _submodules(mlp)
     if isinstance(mlp_sub, MoESubmodules):
         experts = _wrap_mlp(mlp_sub.experts, "experts.", sites, p)
-        if _mlp_targeted("experts.", sites) and _class_of(experts) is TEGroupedMLP:
-            from .mlp import LoraGroupedMLP  # fc2's adapter input recomputed, not kept
+        if _class_of(experts) is TEGroupedMLP:
+            # adapted: fc2's adapter input recomputed, not kept; either way the token counts on the device
+            from .mlp import FrozenGroupedMLP, LoraGroupedMLP
 
-            experts = _with_class(experts, LoraGroupedMLP)
+            adapted = _mlp_targeted("experts.", sites)
+            experts = _with_class(experts, LoraGroupedMLP if adapted else FrozenGroupedMLP)
         mlp_sub = dataclasses.replace(
             mlp_sub,
             experts=experts,
