@@ -133,9 +133,6 @@ class DeviceCounts:
     def tolist(self) -> DeviceCounts:
         return self
 
-    def __len__(self) -> int:
-        return self.counts.numel()
-
     def ends(self) -> torch.Tensor:
         """The token blocks' ends (int32, on the counts' device), computed there once."""
         if self._ends is None:
