@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 
 from . import peer_kits
 from .device import on_gpu
-from .settings import Prepared, Settings
+from .settings import Prepared, Settings, hf_model_type
 
 # ms-swift's MegatronArguments defaults for the LoRA tuner, but the dropout: (c) and (d) train without
 # one, and ms-swift's 0.05 would add a dropout kernel over every adapter input
@@ -106,9 +105,9 @@ def unavailable(hf_dir: Path, s: Settings) -> str | None:
         return (
             f"mcore-bridge does not import ({type(err).__name__}: {err}); kit folder {kit}: {peer_kits.STAGE}"
         )
-    model_type = json.loads((hf_dir / "config.json").read_text())["model_type"]
-    if get_mcore_model_type(model_type) is None:
-        return f"mcore-bridge {_version('mcore-bridge')} has no model for model_type {model_type!r}"
+    kind = hf_model_type(hf_dir)
+    if get_mcore_model_type(kind) is None:
+        return f"mcore-bridge {_version('mcore-bridge')} has no model for model_type {kind!r}"
     return None
 
 

@@ -45,7 +45,7 @@ import torch
 
 from . import peer_kits
 from .build_hf import UNADAPTED_GATE, causal_lm_step, gdn_rule
-from .settings import Prepared, Settings
+from .settings import Prepared, Settings, hf_model_type
 
 KIT = peer_kits.STAGE
 # what Unsloth imports beyond the device image: trl and datasets on import, bitsandbytes when it patches
@@ -78,10 +78,6 @@ OFFLINE_ENV = {
 }
 
 
-def _model_type(hf_dir: Path) -> str:
-    return json.loads((hf_dir / "config.json").read_text())["model_type"]
-
-
 def unavailable(hf_dir: Path, s: Settings) -> str | None:
     """Why the Unsloth peer cannot run here: no CUDA GPU, the kit not installed, fp32, or a model type
     this peer does not drive. Does not import Unsloth (that patches other libraries)."""
@@ -93,7 +89,7 @@ def unavailable(hf_dir: Path, s: Settings) -> str | None:
         return f"Unsloth is not installed ({', '.join(missing)} missing): {KIT}"
     if s.dtype != "bf16":
         return "the Unsloth peer trains LoRA on a bf16 base; an fp32 base turns its fused LoRA kernels off"
-    model_type = _model_type(hf_dir)
+    model_type = hf_model_type(hf_dir)
     if model_type not in PATHS:
         return (
             f"model type {model_type!r} is not driven by this peer (covered: {', '.join(PATHS)}); Unsloth would "
@@ -218,7 +214,7 @@ def lora(hf_dir: Path, s: Settings) -> Prepared:
             random_state=s.seed,
         )
     generic = os.environ.get("UNSLOTH_USE_NEW_MODEL") == "1"  # the loader ran FastModel, not the Llama family
-    model_type = _model_type(hf_dir)
+    model_type = hf_model_type(hf_dir)
     targets = _all_linear(model) if model_type in ALL_LINEAR else list(TARGETS)
     model = FastLanguageModel.get_peft_model(
         model,

@@ -65,7 +65,7 @@ def lora_config(s: Settings, hf_dir: Path | None = None):
     2r on ``gate_up_proj``); elsewhere Unsloth's set is all-linear."""
     from twinkle_specs.lora import LoraConfig
 
-    if s.lora_targets == "unsloth" and hf_dir is not None and _model_type(hf_dir) == "qwen3_moe":
+    if s.lora_targets == "unsloth" and hf_dir is not None and hf_model_type(hf_dir) == "qwen3_moe":
         return LoraConfig(
             r=s.lora_r,
             lora_alpha=s.lora_alpha,
@@ -75,8 +75,9 @@ def lora_config(s: Settings, hf_dir: Path | None = None):
     return LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, target_modules="all-linear")
 
 
-def _model_type(hf_dir: Path) -> str | None:
-    return json.loads((Path(hf_dir) / "config.json").read_text()).get("model_type")
+def hf_model_type(hf_dir: Path) -> str:
+    """The ``model_type`` of the checkpoint's ``config.json``."""
+    return json.loads((Path(hf_dir) / "config.json").read_text())["model_type"]
 
 
 def count_params(model) -> tuple[int, int]:

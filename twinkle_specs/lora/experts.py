@@ -122,11 +122,12 @@ class DeviceCounts:
 
     ``TEGroupedMLP.forward`` first calls ``tolist()``, which returns this object. The grouped GEMMs take
     their offsets on the device (:meth:`ends`, once for fc1 and fc2); a path that needs the sizes on the
-    host (TE's GroupedLinear, the per-expert loop) gets :meth:`host`, which waits for them. ``rows`` is
-    the routed tokens' count, which the counts sum to (a dropless dispatch's static output size)."""
+    host (TE's GroupedLinear, the per-expert loop) gets :meth:`host`, which waits for them. The counts sum
+    to the routed tokens' count by construction (the dispatcher leaves them on the GPU only for a dropless
+    dispatch, whose output size is static)."""
 
-    def __init__(self, counts: torch.Tensor, rows: int) -> None:
-        self.counts, self.rows = counts, rows
+    def __init__(self, counts: torch.Tensor) -> None:
+        self.counts = counts
         self._ends: torch.Tensor | None = None
         self._host: list[int] | None = None
 
@@ -158,8 +159,8 @@ def grouped_mm_fits(x: torch.Tensor, splits: list[int] | DeviceCounts, *weights:
     gradients for zero-token experts (pytorch#172439)."""
     if not hasattr(torch, "_grouped_mm") or not x.is_cuda or x.dim() != 2 or not x.shape[0]:
         return False
-    total = splits.rows if isinstance(splits, DeviceCounts) else sum(splits)
-    if x.dtype != torch.bfloat16 or any(w.dtype != x.dtype for w in weights) or total != x.shape[0]:
+    covered = isinstance(splits, DeviceCounts) or sum(splits) == x.shape[0]  # DeviceCounts: by construction
+    if x.dtype != torch.bfloat16 or any(w.dtype != x.dtype for w in weights) or not covered:
         return False
     if _device_capability(x.device)[0] != 9 or x.stride(-1) != 1 or x.stride(0) % 8:
         return False

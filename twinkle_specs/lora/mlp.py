@@ -104,28 +104,26 @@ class CountsOnDevice:
         padding, no bias split per expert, no probabilities applied to the input)."""
         config = self.config
         return (
-            all(getattr(m, "takes_device_counts", False) for m in (self.linear_fc1, self.linear_fc2))
+            all(getattr(m, "accepts_device_counts", False) for m in (self.linear_fc1, self.linear_fc2))
             and not (config.fp8 or config.fp4)
             and not config.add_bias_linear
             and not getattr(config, "moe_apply_probs_on_input", False)
             and not getattr(config, "use_transformer_engine_op_fuser", False)
         )
 
-    def _counts(self, hidden_states: torch.Tensor, tokens_per_expert: Any) -> Any:
-        """``tokens_per_expert`` as :class:`~.experts.DeviceCounts` where it is on the tokens' device (the
-        dispatcher left it on the GPU; on a CPU host, where everything is) and the counts may stay there."""
+    def forward(self, hidden_states: torch.Tensor, tokens_per_expert: Any, *args: Any, **kwargs: Any):
+        """megatron's forward, with ``tokens_per_expert`` as :class:`~.experts.DeviceCounts` where it is on
+        the tokens' device (the dispatcher left it on the GPU; on a CPU host, where everything is) and the
+        counts may stay there."""
         on_device = torch.is_tensor(tokens_per_expert) and tokens_per_expert.device == hidden_states.device
         if on_device and self.takes_device_counts():
-            return DeviceCounts(tokens_per_expert, rows=hidden_states.shape[0])
-        return tokens_per_expert
+            tokens_per_expert = DeviceCounts(tokens_per_expert)
+        return super().forward(hidden_states, tokens_per_expert, *args, **kwargs)
 
 
 class FrozenGroupedMLP(CountsOnDevice, TEGroupedMLP):
     """Routed experts LoRA leaves unadapted: megatron's TEGroupedMLP over the frozen grouped linears
     (``te_layers.FROZEN``), taking the token counts on the device."""
-
-    def forward(self, hidden_states: torch.Tensor, tokens_per_expert: Any, *args: Any, **kwargs: Any):
-        return super().forward(hidden_states, self._counts(hidden_states, tokens_per_expert), *args, **kwargs)
 
 
 class LoraGroupedMLP(CountsOnDevice, TEGroupedMLP):
@@ -146,8 +144,7 @@ class LoraGroupedMLP(CountsOnDevice, TEGroupedMLP):
         super().__init__(num_local_experts, config, *args, **kwargs)
         self.lora_megatron_recompute = self.activation_recompute  # what the config asked for
 
-    def forward(self, hidden_states: torch.Tensor, tokens_per_expert: Any, *args: Any, **kwargs: Any):
-        tokens_per_expert = self._counts(hidden_states, tokens_per_expert)
+    def forward(self, *args: Any, **kwargs: Any):
         fc2 = self.linear_fc2
         drop_fc2_input = (
             isinstance(fc2, LoraLayerMixin)
@@ -157,4 +154,4 @@ class LoraGroupedMLP(CountsOnDevice, TEGroupedMLP):
             and recompute_allowed()
         )
         self.activation_recompute = self.lora_megatron_recompute or drop_fc2_input
-        return super().forward(hidden_states, tokens_per_expert, *args, **kwargs)
+        return super().forward(*args, **kwargs)

@@ -206,8 +206,8 @@ def keep_routed_counts_on_device(chunk: torch.nn.Module) -> None:
     where nothing else needs them on the host). Idempotent."""
     for module in chunk.modules():
         dispatcher, experts = getattr(module, "token_dispatcher", None), getattr(module, "experts", None)
-        takes = getattr(experts, "takes_device_counts", None)
-        if dispatcher is not None and callable(takes):
+        takes = getattr(experts, "takes_device_counts", None)  # mlp.CountsOnDevice
+        if dispatcher is not None and takes is not None:
             dispatcher.counts_on_device = takes()
 
 

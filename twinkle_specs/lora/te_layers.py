@@ -134,7 +134,7 @@ class FrozenGroupedBase:
     grouped GEMM does not take: TE's GroupedLinear, as built. Takes the token counts on the GPU
     (:class:`~.experts.DeviceCounts`) as well as on the host."""
 
-    takes_device_counts = True
+    accepts_device_counts = True
 
     def forward(self, x: torch.Tensor, m_splits: Any):
         out, bias, _, _ = self._grouped_base(x, m_splits)
