@@ -406,6 +406,35 @@ def _check_graphs_match_eager(name: str, impl: str, graphs: dict, eager: dict, l
     assert graphs[8] < graphs[1], graphs
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5_moe"])
+def test_moe_lora_whole_layer_te_graphs_match_eager(e2e, kind):
+    """MoE LoRA under TE's CUDA graphs of whole layers (megatron's default scope): router, all-to-all
+    dispatch, the routed experts and the combine replayed with attention. Upstream's dropless dispatcher
+    copies the token counts to the host mid-layer, which a capture refuses, so MoE models needed the
+    partial scope ``attn moe_router moe_preprocess`` and ran the experts eager; with the counts on the
+    GPU (``patches/moe_counts_on_device.py``, the experts' grouped GEMMs) nothing in the layer waits on
+    the host. Qwen3-MoE adapts the routed experts, Qwen3.5-MoE (peft's all-linear) leaves them frozen."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root, run = e2e["root"], (*GRAPH_RUN, *MOE)
+    with ThreadPoolExecutor(2) as pool:  # two small runs side by side, each its own torchrun
+        eager_run = pool.submit(pretrain, e2e[kind], root / f"{kind}-moe-eager", *run, iters=8, dump=False)
+        graphs_run = pool.submit(
+            pretrain,
+            e2e[kind],
+            root / f"{kind}-moe-whole-layer-graphs",
+            *run,
+            "--cuda-graph-impl",
+            "transformer_engine",
+            iters=8,
+            dump=False,
+        )
+        (eager, _, _), (graphs, _, log) = eager_run.result(), graphs_run.result()
+    _check_graphs_match_eager(
+        f"moe-lora-{kind}-whole-layer-te-graphs", "transformer_engine", graphs, eager, log
+    )
+
+
 FP8_FLAGS = ("--fp8-format", "hybrid", "--fp8-recipe", "delayed")
 
 
