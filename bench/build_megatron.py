@@ -97,10 +97,26 @@ def megatron_overrides(s: Settings, arch) -> dict[str, Any]:
         elif s.cuda_graphs != "none":
             o |= {"cuda_graph_impl": s.cuda_graphs, "use_te_rng_tracker": True}
             if arch.is_moe:
-                # Dropless experts see a data-dependent token count and cannot be captured; megatron's
-                # partial MoE graphs take attention, router and dispatch preprocessing per layer.
-                o |= {"cuda_graph_scope": "attn,moe_router,moe_preprocess"}
+                # Dropless experts that need their token counts on the host cannot be captured; megatron's
+                # partial MoE graphs take attention, router and dispatch preprocessing per layer
+                # (twinkle LoRA's bf16 experts are captured whole: whole_moe_layer_graphs).
+                o |= {"cuda_graph_scope": PARTIAL_MOE_SCOPE}
     return o | s.mcore_overrides
+
+
+PARTIAL_MOE_SCOPE = "attn,moe_router,moe_preprocess"
+
+
+def whole_moe_layer_graphs(overrides: dict[str, Any], s: Settings) -> dict[str, Any]:
+    """For twinkle LoRA: TE's CUDA graphs capture the MoE layers whole (megatron's default scope) instead
+    of the partial scope, unless a scope was asked for (``--set cuda_graph_scope=...``). Its bf16 grouped
+    experts take the routed token counts on the GPU (``patches/moe_counts_on_device.py``: one EP/TP rank,
+    dropless), so router, dispatch and experts replay with attention; FP8 experts pad per expert on the
+    host and keep the partial scope."""
+    asked = "cuda_graph_scope" in s.mcore_overrides
+    if asked or overrides.get("cuda_graph_scope") != PARTIAL_MOE_SCOPE or overrides.get("fp8"):
+        return overrides
+    return overrides | {"cuda_graph_scope": []}
 
 
 def stock_te_model(hf_dir: Path, s: Settings, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -240,6 +256,8 @@ def twinkle_model(
     import twinkle_specs as ts
 
     facts: dict[str, Any] = {}
+    if lora:
+        overrides = whole_moe_layer_graphs(overrides, s)
     model = ts.build_model(
         hf_dir, load_weights=False, lora=lora_config(s, hf_dir) if lora else None, **overrides
     )
@@ -351,13 +369,14 @@ def prepare(
             "moe_token_dispatcher_type",
             "moe_permute_fusion",
             "cuda_graph_impl",
-            "cuda_graph_scope",
         )
     }
-    if result["config"]["cuda_graph_scope"] is not None:  # CudaGraphScope members
-        result["config"]["cuda_graph_scope"] = [
-            getattr(v, "name", v) for v in result["config"]["cuda_graph_scope"]
-        ]
+    # what per-layer graphs capture (megatron-core 0.19: cuda_graph_modules; 0.16: cuda_graph_scope), [] the
+    # whole layer; CudaGraphModule / CudaGraphScope members by name
+    scope = getattr(config, "cuda_graph_modules", None)
+    scope = getattr(config, "cuda_graph_scope", None) if scope is None else scope
+    if result["config"]["cuda_graph_impl"] not in (None, "none") and scope is not None:
+        result["config"]["cuda_graph_scope"] = [getattr(v, "name", v) for v in scope]
     if trains:
         wrapped, finish, result["optimizer"] = _optimizer(s, model, config)
         if on_gpu() and s.grad_accum > 1:

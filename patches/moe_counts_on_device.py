@@ -13,6 +13,11 @@ counts there: ``twinkle_specs.lora.model.keep_routed_counts_on_device``) hands o
 tensor, with no copy and no wait, where nothing else needs host values: one expert- and tensor-parallel
 rank (no all-to-all split sizes) and a dropless dispatch without capacity or padding (a static output
 size). Every other dispatcher runs upstream's.
+
+So nothing in such a MoE layer waits on the host, and TE's CUDA graphs can capture it whole (megatron's
+default scope: router, dispatch, experts and combine replayed with attention). Where the counts must reach
+the host inside a capture, upstream fails in CUDA ("operation not permitted on an event last recorded in a
+capturing stream"); the patched dispatcher refuses first and says why and what to capture instead.
 """
 
 from __future__ import annotations
@@ -46,16 +51,44 @@ def counts_suffice(dispatcher) -> bool:
 
 def leaving_counts_on_device(maybe_dtoh_and_synchronize):
     """The dispatcher's ``_maybe_dtoh_and_synchronize``, a no-op for a dispatcher asked to leave the counts
-    on the GPU where :func:`counts_suffice`."""
+    on the GPU where :func:`counts_suffice`; upstream's otherwise, except that its wait inside a CUDA graph
+    capture is refused with :func:`capture_refusal`."""
 
     @functools.wraps(maybe_dtoh_and_synchronize)
     def wrapper(self, point, tokens_per_expert=None):
         if getattr(self, "counts_on_device", False) and counts_suffice(self):
             return tokens_per_expert
+        if capturing() and not self.drop_and_pad and point == self.cuda_sync_point:
+            raise RuntimeError(capture_refusal(self))
         return maybe_dtoh_and_synchronize(self, point, tokens_per_expert)
 
     wrapper.leaves_counts_on_device = True
     return wrapper
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured (never on a host without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def capture_refusal(dispatcher) -> str:
+    """Why a MoE layer being captured in a CUDA graph needs the host, and the scope that captures around it."""
+    if not getattr(dispatcher, "counts_on_device", False):
+        why = (
+            "its routed experts need the counts on the host (only twinkle LoRA's grouped-GEMM experts take "
+            "them on the GPU: --moe-grouped-gemm, bf16 experts without a bias; full fine-tuning, FP8/FP4 "
+            "experts and megatron's sequential experts need host counts)"
+        )
+    else:
+        why = (
+            "the dispatch needs host values itself (expert- or tensor-parallel size above 1, "
+            "--moe-expert-capacity-factor, or padding for FP8/FP4)"
+        )
+    return (
+        "a MoE layer is being captured in a CUDA graph, but its token dispatcher must copy the routed token "
+        f"counts to the host and wait for them, which a capture cannot do: {why}. Capture attention and "
+        "the router only: --cuda-graph-scope attn moe_router moe_preprocess"
+    )
 
 
 def apply() -> None:

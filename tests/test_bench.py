@@ -1344,6 +1344,23 @@ def test_fp8_variant_builds_under_the_fp8_flags():
         assert graphs.why_not(Path("unused"), s) == "CUDA graphs need a CUDA GPU"
 
 
+def test_lora_moe_layers_are_graphed_whole_unless_a_scope_was_asked():
+    """twinkle LoRA's MoE layers under TE's graphs: the whole layer (router, dispatch, experts), since its
+    bf16 experts take the token counts on the GPU; the partial scope stays for FP8 experts (per-expert
+    padding on the host), for a scope asked with --set, and for what is not MoE."""
+    from bench.build_megatron import PARTIAL_MOE_SCOPE, whole_moe_layer_graphs
+    from bench.settings import Settings
+
+    moe = {"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": PARTIAL_MOE_SCOPE}
+    assert whole_moe_layer_graphs(moe, Settings())["cuda_graph_scope"] == []
+    assert moe["cuda_graph_scope"] == PARTIAL_MOE_SCOPE  # the caller's overrides untouched
+    assert whole_moe_layer_graphs(moe | {"fp8": "hybrid"}, Settings()) == moe | {"fp8": "hybrid"}
+    asked = Settings(mcore_overrides={"cuda_graph_scope": PARTIAL_MOE_SCOPE})
+    assert whole_moe_layer_graphs(moe, asked) == moe
+    dense = {"cuda_graph_impl": "transformer_engine"}
+    assert whole_moe_layer_graphs(dense, Settings()) == dense
+
+
 @pytest.mark.parametrize("cut_by", ["--variant-timeout", "what was left of --budget"])
 def test_a_child_cut_at_its_time_limit_says_which_limit(cut_by, tmp_path, monkeypatch):
     """A variant the harness stops at its time limit reports that limit, not a bare ``exited -9`` that reads

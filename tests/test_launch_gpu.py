@@ -413,10 +413,12 @@ def test_moe_lora_whole_layer_te_graphs_match_eager(e2e, kind):
     copies the token counts to the host mid-layer, which a capture refuses, so MoE models needed the
     partial scope ``attn moe_router moe_preprocess`` and ran the experts eager; with the counts on the
     GPU (``patches/moe_counts_on_device.py``, the experts' grouped GEMMs) nothing in the layer waits on
-    the host. Qwen3-MoE adapts the routed experts, Qwen3.5-MoE (peft's all-linear) leaves them frozen."""
+    the host. Qwen3-MoE adapts the routed experts, Qwen3.5-MoE (peft's all-linear) leaves them frozen;
+    both through TE's grouped GEMM (``--moe-grouped-gemm``: megatron's sequential experts need the counts
+    on the host, and the capture is then refused, ``tests/test_moe_dispatch.py``)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    root, run = e2e["root"], (*GRAPH_RUN, *MOE)
+    root, run = e2e["root"], (*GRAPH_RUN, *MOE, "--moe-grouped-gemm")
     with ThreadPoolExecutor(2) as pool:  # two small runs side by side, each its own torchrun
         eager_run = pool.submit(pretrain, e2e[kind], root / f"{kind}-moe-eager", *run, iters=8, dump=False)
         graphs_run = pool.submit(

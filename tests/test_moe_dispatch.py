@@ -158,3 +158,32 @@ def test_counts_are_copied_as_upstream_unless_asked_and_enough(change):
     counts = torch.tensor([2, 0, 1])
     got = wrapped(dispatcher, "before_finish", counts)
     assert (got is counts) == (change == {}) and (calls == []) == (change == {}), change
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"counts_on_device": False}, "need the counts on the host"),
+        ({"ep_size": 2}, "expert- or tensor-parallel"),
+    ],
+    ids=["not_asked", "ep2"],
+)
+def test_capture_that_would_wait_is_refused_with_the_scope_to_use(monkeypatch, change, why):
+    """Inside a CUDA graph capture, a dispatcher that must wait for the counts on the host (upstream then
+    fails in CUDA with an event error) refuses at its wait, saying why and which scope captures around
+    the experts; its copy point still runs upstream's (a partial scope captures the copy), and a
+    dispatcher that leaves the counts on the GPU is unaffected."""
+    monkeypatch.setattr(moe_counts_on_device, "capturing", lambda: True)
+    config = types.SimpleNamespace(moe_expert_capacity_factor=None, moe_router_padding_for_quantization=False)
+    fields = {"ep_size": 1, "tp_size": 1, "drop_and_pad": False, "counts_on_device": True}
+    waits_at, counts, calls = "before_finish", torch.tensor([2, 0, 1]), []
+    wrapped = moe_counts_on_device.leaving_counts_on_device(lambda *a: calls.append(a[1]) or "upstream")
+
+    left = types.SimpleNamespace(config=config, cuda_sync_point=waits_at, **fields)
+    assert wrapped(left, waits_at, counts) is counts and calls == []
+    needs_host = types.SimpleNamespace(config=config, cuda_sync_point=waits_at, **(fields | change))
+    assert wrapped(needs_host, "before_permutation_1", counts) == "upstream"
+    with pytest.raises(RuntimeError, match=why) as refused:
+        wrapped(needs_host, waits_at, counts)
+    assert "--cuda-graph-scope attn moe_router moe_preprocess" in str(refused.value)
+    assert calls == ["before_permutation_1"]
