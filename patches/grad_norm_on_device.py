@@ -14,10 +14,10 @@ at most :data:`DEVICE_CLIP_MAX_NUMEL` elements, an adapter's optimizer: 2**29 fp
 about 1.5 ms on an H100, below the wait it removes. That wait is the host's whole optimizer step with the
 GPU idle: 13.7 ms a step with 482 M adapter parameters (Qwen3-30B-A3B, 36 layers, adapters on the routed
 experts, under CUDA graphs). Larger sets (a full fine-tune) keep upstream's host path: the norm comes back
-as a float, and clipping multiplies only when it clips. Their norm is still taken here, in one multi-tensor pass and one sync: megatron-core 0.19 imports
-``multi_tensor_scale_tensor`` with TE's multi-tensor kernels, so without it (TE 2.11) and without apex it
-falls back to ``local_multi_tensor_l2_norm``, which turns every gradient's norm into a Python float: a host
-sync per gradient tensor. Only the 2-norm, the one megatron's optimizers use, is taken here.
+as a float, and clipping multiplies only when it clips. Their norm is still taken here, in one multi-tensor
+pass and one sync: megatron-core 0.19 imports ``multi_tensor_scale_tensor`` with TE's multi-tensor kernels,
+so without it (TE 2.11) and without apex it falls back to ``local_multi_tensor_l2_norm``, which turns every
+gradient's norm into a Python float: a host sync per gradient tensor. Only the 2-norm, the one megatron's optimizers use, is taken here.
 """
 
 from __future__ import annotations
