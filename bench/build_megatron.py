@@ -112,9 +112,15 @@ def whole_moe_layer_graphs(overrides: dict[str, Any], s: Settings) -> dict[str, 
     of the partial scope, unless a scope was asked for (``--set cuda_graph_scope=...``). Its bf16 grouped
     experts take the routed token counts on the GPU (``patches/moe_counts_on_device.py``: one EP/TP rank,
     dropless), so router, dispatch and experts replay with attention; FP8 experts pad per expert on the
-    host and keep the partial scope."""
+    host and keep the partial scope, as do megatron's local graphs (not measured whole)."""
     asked = "cuda_graph_scope" in s.mcore_overrides
-    if asked or overrides.get("cuda_graph_scope") != PARTIAL_MOE_SCOPE or overrides.get("fp8"):
+    te_graphs = overrides.get("cuda_graph_impl") == "transformer_engine"
+    if (
+        asked
+        or not te_graphs
+        or overrides.get("cuda_graph_scope") != PARTIAL_MOE_SCOPE
+        or overrides.get("fp8")
+    ):
         return overrides
     return overrides | {"cuda_graph_scope": []}
 

@@ -1347,7 +1347,8 @@ def test_fp8_variant_builds_under_the_fp8_flags():
 def test_lora_moe_layers_are_graphed_whole_unless_a_scope_was_asked():
     """twinkle LoRA's MoE layers under TE's graphs: the whole layer (router, dispatch, experts), since its
     bf16 experts take the token counts on the GPU; the partial scope stays for FP8 experts (per-expert
-    padding on the host), for a scope asked with --set, and for what is not MoE."""
+    padding on the host), for a scope asked with --set, for megatron's local graphs, and for what is not
+    MoE."""
     from bench.build_megatron import PARTIAL_MOE_SCOPE, whole_moe_layer_graphs
     from bench.settings import Settings
 
@@ -1359,6 +1360,8 @@ def test_lora_moe_layers_are_graphed_whole_unless_a_scope_was_asked():
     assert whole_moe_layer_graphs(moe, asked) == moe
     dense = {"cuda_graph_impl": "transformer_engine"}
     assert whole_moe_layer_graphs(dense, Settings()) == dense
+    local = moe | {"cuda_graph_impl": "local"}
+    assert whole_moe_layer_graphs(local, Settings()) == local
 
 
 @pytest.mark.parametrize("cut_by", ["--variant-timeout", "what was left of --budget"])
