@@ -7,8 +7,14 @@ import stat
 import time
 from pathlib import Path
 
+import pytest
+
 from bench.report import telemetry_lines
 from bench.telemetry import FIELD_SETS, Sample, Sampler, decode_reasons, parse_line, per_step, summary
+
+# The harness's nvidia-smi telemetry, pure Python (no megatron-core code): one leg of scripts/test.sh
+# (pyproject.toml's one_leg marker).
+pytestmark = pytest.mark.one_leg
 
 
 def test_parse_line_reads_nvidia_smi_csv_and_rejects_the_rest():

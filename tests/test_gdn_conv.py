@@ -23,6 +23,10 @@ import torch.nn.functional as F
 
 from twinkle_specs import gdn_conv as G
 
+# torch and Triton only (the short convolution and its kernels; no megatron-core code): one leg of
+# scripts/test.sh (pyproject.toml's one_leg marker).
+pytestmark = pytest.mark.one_leg
+
 INTERP_TOL = {"float32": 1e-5, "bfloat16": 4e-2}
 # (batch, tokens, channels, packed sequence starts): ragged token and channel blocks, a row stride wider
 # than the channels; packed: a one-token sequence and sequences shorter than the kernel

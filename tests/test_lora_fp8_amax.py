@@ -21,6 +21,10 @@ from test_lora_support import interpreted
 
 from twinkle_specs.lora import fp8_amax
 
+# torch, Triton and Transformer Engine stand-ins only (no megatron-core code): one leg of scripts/test.sh
+# (pyproject.toml's one_leg marker).
+pytestmark = pytest.mark.one_leg
+
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
 # partial maxima: ordinary, zeros, a subnormal amax (its quotient overflows fp32), an infinite and a NaN

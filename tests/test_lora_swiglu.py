@@ -30,6 +30,10 @@ from test_lora_support import CountingKernel, interpreted
 from twinkle_specs.lora import swiglu as S
 from twinkle_specs.lora.functions import GradLink, LowRankDown
 
+# torch and Triton only (the SwiGLU-with-LoRA op and its kernels; no megatron-core code): one leg of
+# scripts/test.sh (pyproject.toml's one_leg marker).
+pytestmark = pytest.mark.one_leg
+
 FP32_TOL, BF16_TOL = 1e-5, 3e-2
 INTERP_TOL = {"float16": 2e-3, "bfloat16": 4e-2}
 GRADS = {"all": (True, True, True), "frozen-pre": (False, True, True), "pre-only": (True, False, False)}
