@@ -406,6 +406,19 @@ def _check_graphs_match_eager(name: str, impl: str, graphs: dict, eager: dict, l
     assert graphs[8] < graphs[1], graphs
 
 
+def eager_and_te_graphs(hf: Path, eager_out: Path, graphs_out: Path, *flags: str) -> tuple[dict, dict, str]:
+    """Eight iterations with ``flags`` eager and under TE's CUDA graphs, side by side (two small runs, each
+    its own torchrun): the eager losses, the graphs run's losses and its log."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    te_graphs = ("--cuda-graph-impl", "transformer_engine")
+    with ThreadPoolExecutor(2) as pool:
+        eager_run = pool.submit(pretrain, hf, eager_out, *flags, iters=8, dump=False)
+        graphs_run = pool.submit(pretrain, hf, graphs_out, *flags, *te_graphs, iters=8, dump=False)
+        (eager, _, _), (graphs, _, log) = eager_run.result(), graphs_run.result()
+    return eager, graphs, log
+
+
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5_moe"])
 def test_moe_lora_whole_layer_te_graphs_match_eager(e2e, kind):
     """MoE LoRA under TE's CUDA graphs of whole layers (megatron's default scope): router, all-to-all
@@ -416,22 +429,10 @@ def test_moe_lora_whole_layer_te_graphs_match_eager(e2e, kind):
     the host. Qwen3-MoE adapts the routed experts, Qwen3.5-MoE (peft's all-linear) leaves them frozen;
     both through TE's grouped GEMM (``--moe-grouped-gemm``: megatron's sequential experts need the counts
     on the host, and the capture is then refused, ``tests/test_moe_dispatch.py``)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    root, run = e2e["root"], (*GRAPH_RUN, *MOE, "--moe-grouped-gemm")
-    with ThreadPoolExecutor(2) as pool:  # two small runs side by side, each its own torchrun
-        eager_run = pool.submit(pretrain, e2e[kind], root / f"{kind}-moe-eager", *run, iters=8, dump=False)
-        graphs_run = pool.submit(
-            pretrain,
-            e2e[kind],
-            root / f"{kind}-moe-whole-layer-graphs",
-            *run,
-            "--cuda-graph-impl",
-            "transformer_engine",
-            iters=8,
-            dump=False,
-        )
-        (eager, _, _), (graphs, _, log) = eager_run.result(), graphs_run.result()
+    hf, root, run = e2e[kind], e2e["root"], (*GRAPH_RUN, *MOE, "--moe-grouped-gemm")
+    eager, graphs, log = eager_and_te_graphs(
+        hf, root / f"{kind}-moe-eager", root / f"{kind}-moe-graphs", *run
+    )
     _check_graphs_match_eager(
         f"moe-lora-{kind}-whole-layer-te-graphs", "transformer_engine", graphs, eager, log
     )
@@ -448,24 +449,8 @@ def test_fp8_lora_te_cuda_graphs_match_eager(e2e):
     ("Saved FP8 metadata does not match operation's FP8 metadata"). The graphs keep the frozen base's FP8
     weight copies from the third iteration on (delayed scaling settles in two: ``lora.fp8_copies``), as the
     eager run's linears do."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    root, graphs_flags = e2e["root"], ("--cuda-graph-impl", "transformer_engine")
-    with ThreadPoolExecutor(2) as pool:  # two small runs side by side, each its own torchrun
-        eager_run = pool.submit(
-            pretrain, e2e["qwen3"], root / "fp8-eager", *GRAPH_RUN, *FP8_FLAGS, iters=8, dump=False
-        )
-        graphs_run = pool.submit(
-            pretrain,
-            e2e["qwen3"],
-            root / "fp8-graphs",
-            *GRAPH_RUN,
-            *FP8_FLAGS,
-            *graphs_flags,
-            iters=8,
-            dump=False,
-        )
-        (eager, _, _), (graphs, _, log) = eager_run.result(), graphs_run.result()
+    root, run = e2e["root"], (*GRAPH_RUN, *FP8_FLAGS)
+    eager, graphs, log = eager_and_te_graphs(e2e["qwen3"], root / "fp8-eager", root / "fp8-graphs", *run)
     _check_graphs_match_eager("fp8-lora-qwen3-te-cuda-graphs", "transformer_engine", graphs, eager, log)
     assert "the frozen base's FP8 weight copies are kept from its iteration 3 on" in log, log[-3000:]
 

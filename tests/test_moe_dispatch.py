@@ -131,6 +131,16 @@ def test_counts_stay_where_experts_cannot_take_them(te, single_rank, alltoall_on
     assert not moe.token_dispatcher.counts_on_device
 
 
+def _stand_in_dispatcher(**change) -> types.SimpleNamespace:
+    """What the counts patch reads of a dispatcher: one EP and TP rank, dropless, no capacity or padding,
+    asked to leave the counts on the GPU; ``change`` overrides any of it (``moe_*`` in its config)."""
+    config = {"moe_expert_capacity_factor": None, "moe_router_padding_for_quantization": False}
+    fields = {"ep_size": 1, "tp_size": 1, "drop_and_pad": False, "counts_on_device": True}
+    config |= {k: v for k, v in change.items() if k.startswith("moe_")}
+    fields |= {k: v for k, v in change.items() if not k.startswith("moe_")}
+    return types.SimpleNamespace(config=types.SimpleNamespace(**config), **fields)
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -148,11 +158,7 @@ def test_counts_are_copied_as_upstream_unless_asked_and_enough(change):
     """Upstream's copy and wait run for every dispatcher not asked, and for every asked one that needs
     host values: split sizes for an all-to-all or gather over several ranks, a data-dependent output
     size (capacity, padding)."""
-    config = {"moe_expert_capacity_factor": None, "moe_router_padding_for_quantization": False}
-    fields = {"ep_size": 1, "tp_size": 1, "drop_and_pad": False, "counts_on_device": True}
-    config |= {k: v for k, v in change.items() if k.startswith("moe_")}
-    fields |= {k: v for k, v in change.items() if not k.startswith("moe_")}
-    dispatcher = types.SimpleNamespace(config=types.SimpleNamespace(**config), **fields)
+    dispatcher = _stand_in_dispatcher(**change)
     calls = []
     wrapped = moe_counts_on_device.leaving_counts_on_device(lambda *a: calls.append(a) or "upstream")
     counts = torch.tensor([2, 0, 1])
@@ -174,14 +180,12 @@ def test_capture_that_would_wait_is_refused_with_the_scope_to_use(monkeypatch, c
     the experts; its copy point still runs upstream's (a partial scope captures the copy), and a
     dispatcher that leaves the counts on the GPU is unaffected."""
     monkeypatch.setattr(moe_counts_on_device, "capturing", lambda: True)
-    config = types.SimpleNamespace(moe_expert_capacity_factor=None, moe_router_padding_for_quantization=False)
-    fields = {"ep_size": 1, "tp_size": 1, "drop_and_pad": False, "counts_on_device": True}
     waits_at, counts, calls = "before_finish", torch.tensor([2, 0, 1]), []
     wrapped = moe_counts_on_device.leaving_counts_on_device(lambda *a: calls.append(a[1]) or "upstream")
 
-    left = types.SimpleNamespace(config=config, cuda_sync_point=waits_at, **fields)
+    left = _stand_in_dispatcher(cuda_sync_point=waits_at)
     assert wrapped(left, waits_at, counts) is counts and calls == []
-    needs_host = types.SimpleNamespace(config=config, cuda_sync_point=waits_at, **(fields | change))
+    needs_host = _stand_in_dispatcher(cuda_sync_point=waits_at, **change)
     assert wrapped(needs_host, "before_permutation_1", counts) == "upstream"
     with pytest.raises(RuntimeError, match=why) as refused:
         wrapped(needs_host, waits_at, counts)
