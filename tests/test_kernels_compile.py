@@ -18,7 +18,13 @@ import torch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
-POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64"}
+POINTER = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
 GPU_CONSTANTS = {"DOT_F32": False}  # what the wrappers pass for CUDA tensors
 
 
@@ -115,6 +121,21 @@ def test_frozen_norm_kernels_compile_for_sm90(monkeypatch):
     y = N.FrozenRMSNorm.apply(x, torch.ones(128, dtype=torch.bfloat16), 1e-6)
     y.backward(torch.zeros_like(y))
     _compile_all(recorders, 2)
+
+
+@pytest.mark.parametrize("n", [1536, 2048], ids=["fc1", "fc2"])
+def test_grouped_low_rank_kernel_compiles_for_sm90(monkeypatch, n):
+    """The routed adapters' in-place rank-r sum at Qwen3-30B-A3B's expert fc1 and fc2 widths (128
+    experts, r = 16), ``m`` as the forward's transposed B."""
+    from twinkle_specs.lora import grouped_low_rank as G
+
+    recorders = _record(monkeypatch, G, "_add_kernel")
+    rows, experts, r = 256, 128, 16
+    out = torch.zeros(rows, n, dtype=torch.bfloat16)
+    h = torch.zeros(rows, r, dtype=torch.bfloat16)
+    b = torch.zeros(experts, n, r, dtype=torch.bfloat16)
+    G._triton_add_(out, h, b.transpose(1, 2), torch.full((experts,), rows, dtype=torch.int32))
+    _compile_all(recorders, 1)
 
 
 def test_a_compile_error_fails_the_check():

@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .grouped_low_rank import grouped_low_rank_add_
+
 
 def expert_delta_loop(
     x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, splits: list[int], scaling: float
@@ -112,6 +114,62 @@ class FrozenGroupedMM(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         w, ends = ctx.saved_tensors
         return torch._grouped_mm(grad.contiguous(), w, offs=ends), None, None
+
+
+class FrozenGroupedLora(torch.autograd.Function):
+    """``x_e @ W_eᵀ + (scaling * x_e @ A_eᵀ) @ B_eᵀ`` for every expert's token block: a frozen grouped
+    base and its routed adapters as one function, so that the adapter's rank-r products go into the
+    base's output and into its input gradient in place (:func:`.grouped_low_rank.grouped_low_rank_add_`)
+    instead of being written full size and summed by a kernel each.
+
+    The gradients are those autograd forms for :class:`FrozenGroupedMM` plus
+    :func:`expert_delta_grouped`, with the same roundings of the rank-r activations (``h`` scaled, then
+    rounded; the gradient of ``h`` likewise); each full-size sum is rounded once instead of twice. It
+    keeps the weight stack, the factors, the rank-r ``h`` and the routed tokens (or, given a recipe
+    ``(source, fn)`` with ``fn(source) == x``, ``source``; see :class:`GroupedLowRankDown`), which only
+    ``A``'s gradient reads.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        ends: torch.Tensor,
+        scaling: float,
+        source: torch.Tensor | None,
+        fn: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> torch.Tensor:
+        out = torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+        h = torch._grouped_mm(x, a.transpose(-2, -1), offs=ends)
+        if scaling != 1.0:
+            h = h * scaling
+        grouped_low_rank_add_(out, h, b.transpose(-2, -1), ends)
+        ctx.fn, ctx.scaling = fn, scaling
+        ctx.save_for_backward(x if fn is None else source, w, a, b, h, ends)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        saved, w, a, b, h, ends = ctx.saved_tensors
+        grad = grad.contiguous()
+        need_x, _, need_a, need_b = ctx.needs_input_grad[:4]
+        dx = da = db = None
+        if need_b:
+            db = torch._grouped_mm(grad.t(), h, offs=ends)
+        if need_x or need_a:
+            dh = torch._grouped_mm(grad, b, offs=ends)
+            if ctx.scaling != 1.0:
+                dh = dh * ctx.scaling
+            if need_a:
+                x = saved if ctx.fn is None else ctx.fn(saved)
+                da = torch._grouped_mm(dh.t(), x, offs=ends)
+            if need_x:
+                dx = torch._grouped_mm(grad, w, offs=ends)
+                grouped_low_rank_add_(dx, dh, a, ends)
+        return dx, None, da, db, None, None, None, None
 
 
 class DeviceCounts:

@@ -25,6 +25,7 @@ from megatron.core.extensions.transformer_engine import (
 
 from .experts import (
     DeviceCounts,
+    FrozenGroupedLora,
     FrozenGroupedMM,
     StackedWeights,
     expert_delta_grouped,
@@ -137,18 +138,22 @@ class FrozenGroupedBase:
     accepts_device_counts = True
 
     def forward(self, x: torch.Tensor, m_splits: Any):
-        out, bias, _, _ = self._grouped_base(x, m_splits)
-        return out, bias
+        return self._grouped_base(x, *self._base_plan(x, m_splits))[:2]
 
-    def _grouped_base(self, x: torch.Tensor, m_splits: Any) -> tuple[torch.Tensor, Any, Any, Any]:
-        """``(out, bias, splits, ends)``: the base's output, the token blocks' sizes (a list, or the
-        :class:`~.experts.DeviceCounts` given) and, where the grouped GEMM ran, their ends on the device
-        (None where TE's GroupedLinear ran, which takes the sizes from the host)."""
+    def _base_plan(self, x: torch.Tensor, m_splits: Any) -> tuple[Any, torch.Tensor | None]:
+        """``(splits, stack)``: the token blocks' sizes (a list, or the :class:`~.experts.DeviceCounts`
+        given) and the weight stack the grouped GEMM reads, None where TE's GroupedLinear runs the base."""
         if isinstance(m_splits, DeviceCounts):
             splits = m_splits
         else:
             splits = m_splits.tolist() if torch.is_tensor(m_splits) else list(m_splits)
-        stack = self._frozen_base_stack(x, splits)
+        return splits, self._frozen_base_stack(x, splits)
+
+    def _grouped_base(
+        self, x: torch.Tensor, splits: Any, stack: torch.Tensor | None
+    ) -> tuple[torch.Tensor, Any, Any, Any]:
+        """``(out, bias, splits, ends)``: the base's output, the splits (on the host where TE's
+        GroupedLinear ran) and, where the grouped GEMM ran, the token blocks' ends on the device."""
         if stack is None:
             splits = on_host(splits)
             out, bias = super().forward(x, splits)
@@ -205,21 +210,25 @@ class _LoraTEGroupedLinear(FrozenFp8WeightCache, LoraLayerMixin, FrozenGroupedBa
         )
 
     def forward(self, x: torch.Tensor, m_splits: Any):
-        out, bias, splits, ends = self._grouped_base(x, m_splits)
+        splits, stack = self._base_plan(x, m_splits)
         if not self.lora_active():
             if self.lora_input_recipe:
                 self.lora_input_recipe.drop()  # merged: the router's record goes unused
-            return out, bias
+            return self._grouped_base(x, splits, stack)[:2]
         recipe = self.lora_input_recipe.take(x) if self.lora_input_recipe else None
         (slot,) = self.lora_slots  # routed-expert sites have one slot (gate_up_proj, down_proj)
         a, b, scaling = self.lora_param("A"), self.lora_param("B"), self.lora_spec[slot].scaling
         # One grouped GEMM per factor where torch has it for these tensors (CUDA sm90, bf16), else the loop.
-        if grouped_mm_fits(x, splits, a, b):
-            recipe = recipe if recompute_allowed() else None
-            delta = expert_delta_grouped(x, a, b, splits, scaling, ends, recipe)
-        else:
-            delta = expert_delta_loop(x, a, b, on_host(splits), scaling)
-        return out + delta.to(out.dtype), bias
+        if not grouped_mm_fits(x, splits, a, b):
+            out, bias, splits, _ = self._grouped_base(x, splits, stack)
+            return out + expert_delta_loop(x, a, b, on_host(splits), scaling).to(out.dtype), bias
+        recipe = (recipe if recompute_allowed() else None) or (None, None)
+        if stack is not None:  # base and adapters in one function: the adapters' products summed in place
+            return FrozenGroupedLora.apply(
+                x, stack, a, b, group_ends(splits, x.device), scaling, *recipe
+            ), None
+        out, bias, splits, ends = self._grouped_base(x, splits, stack)
+        return out + expert_delta_grouped(x, a, b, splits, scaling, ends, recipe).to(out.dtype), bias
 
 
 class LoraTEColumnParallelGroupedLinear(_LoraTEGroupedLinear, TEColumnParallelGroupedLinear):
