@@ -8,7 +8,7 @@ the routing drawn at random (about even, as a trained router's load-balancing ke
 events around each forward + backward (median of ``--iters`` after ``--warmup``), on one GPU, nothing
 else running on it.
 
-    python bench/grouped_experts.py [--iters 50] [--blocks 64,128,4 128,128,4 ...] [--json out.json]
+    python bench/grouped_experts.py [--iters 50] [--blocks 64,128,4,1,0 64,128,4,1,1 ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _site(n_in: int, n_out: int, ends: torch.Tensor, g, iters: int, warmup: int,
     return row
 
 
-def run(iters: int, warmup: int, blocks: list[tuple[int, int, int]]) -> dict:
+def run(iters: int, warmup: int, blocks: list[tuple[int, ...]]) -> dict:
     g = torch.Generator().manual_seed(0)
     grouped_low_rank.BLOCKS = blocks[0]
     results: dict = {"device": torch.cuda.get_device_name(), "tokens": TOKENS, "topk": TOPK, "rank": RANK}
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         "--blocks",
         nargs="+",
         default=[",".join(map(str, grouped_low_rank.BLOCKS))],
-        help="launch configurations of the in-place sum's kernel to time: rows,columns,warps",
+        help="launch configurations of the in-place sum's kernel to time (grouped_low_rank.BLOCKS): rows,"
+        "columns,warps,column tiles per program,rank-1 updates (1) or tl.dot (0)",
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)

@@ -289,8 +289,12 @@ def test_group_ends_reach_the_gpu_without_a_host_sync(gpu):
 
 def test_te_frozen_experts_on_grouped_mm_match_te_grouped_linear(lora_checkpoints, gpu, monkeypatch):
     """Qwen3-MoE, LoRA all-linear, TE grouped-GEMM experts in bf16: the frozen experts' base on torch's
-    grouped GEMM (experts.FrozenGroupedMM) gives the loss and adapter gradients of TE's GroupedLinear
-    (max |Δ| <= 1e-2 of the largest gradient, loss within 1e-2), and it is the path that ran."""
+    grouped GEMM, with the adapters' products summed into it in place (experts.FrozenGroupedLora), gives
+    the loss and adapter gradients of TE's GroupedLinear base with the grouped adapter delta added, and
+    it is the path that ran. The two round the adapters' full-size sums differently (once against twice),
+    which in bf16 moves the gradients by up to 2.1e-2 of the largest and the loss by 1.3e-4 (measured,
+    H200): max |Δ| <= 5e-2 of the largest gradient and the loss within 1e-3 (a lost delta or a block given
+    another expert's weights shows as O(1); the op itself is held to fp64 in test_lora_fused.py)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the grouped-GEMM base runs on sm90 (H100/H200) only")
     from twinkle_specs.lora import adapter_parameters, te_layers
@@ -315,8 +319,8 @@ def test_te_frozen_experts_on_grouped_mm_match_te_grouped_linear(lora_checkpoint
     scale = max(g.abs().max().item() for g in te_grads)
     worst = max((g - t).abs().max().item() for g, t in zip(grads, te_grads, strict=True)) / scale
     EVIDENCE.record("frozen_experts_grouped_mm_vs_te", loss=loss, te_loss=te_loss, grad_rel_max=worst)
-    assert abs(loss - te_loss) <= 1e-2 * abs(te_loss), (loss, te_loss)
-    assert worst <= GRAD_REL, worst
+    assert abs(loss - te_loss) <= 1e-3 * abs(te_loss), (loss, te_loss)
+    assert worst <= 5e-2, worst
 
 
 def test_te_routed_adapters_keep_no_routed_activation(lora_checkpoints, gpu, monkeypatch):
