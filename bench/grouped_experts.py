@@ -8,7 +8,7 @@ the routing drawn at random (about even, as a trained router's load-balancing ke
 events around each forward + backward (median of ``--iters`` after ``--warmup``), on one GPU, nothing
 else running on it.
 
-    python bench/grouped_experts.py [--iters 50] [--blocks 64,128,4,1,0 64,128,4,1,1 ...] [--json out.json]
+    python bench/grouped_experts.py [--iters 50] [--blocks 64,128,4 64,64,4 ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -120,8 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         "--blocks",
         nargs="+",
         default=[",".join(map(str, grouped_low_rank.BLOCKS))],
-        help="launch configurations of the in-place sum's kernel to time (grouped_low_rank.BLOCKS): rows,"
-        "columns,warps,column tiles per program,rank-1 updates (1) or tl.dot (0)",
+        help="launch configurations of the in-place sum's kernel to time (grouped_low_rank.BLOCKS): rows,columns,warps",
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)

@@ -25,18 +25,19 @@ except ImportError:  # the torch path serves CPU tensors and machines without Tr
     triton = None
 
 # Fixed launch configuration (autotuning would have to finish before CUDA-graph capture): rows per
-# tile, columns per tile, warps, column tiles per program, rank-1 updates instead of tl.dot.
-BLOCKS = (64, 128, 4, 1, 0)
+# tile, columns per tile, warps. Swept on an H200 at Qwen3-30B-A3B's and Qwen3.5-35B-A3B's expert
+# widths (bench/grouped_experts.py): tiles of 32-128 rows by 64-256 columns were within 15 % of each
+# other; rank-1 updates instead of tl.dot were 3-5x slower, several column tiles per program mixed.
+BLOCKS = (64, 128, 4)
 
 if triton is not None:
 
     @triton.jit
     def _add_kernel(
         out_ptr, h_ptr, m_ptr, ends_ptr, N, R, E, s_out, s_h, s_me, s_mr, s_mn,
-        BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, CPP: tl.constexpr,
-        FMA: tl.constexpr, DOT_F32: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
-        """Program (row tile, CPP column tiles): the row tile's expert is the one whose tiles, counted in
+        """Program (row tile, column tile): the row tile's expert is the one whose tiles, counted in
         expert order, cover ``program_id(0)``; a program past the last tile finds none and is all masked.
         DOT_F32 (fp32 tensors, and CPU tensors, i.e. the Triton interpreter, whose 3.6 ``tl.dot``
         multiplies bf16 bit patterns as integers) takes the products in full fp32."""
@@ -52,45 +53,34 @@ if triton is not None:
         first_tile = tl.sum(tl.where(mine, covered - tiles, 0), 0)
         row_end = tl.sum(tl.where(mine, ends, 0), 0)
         rows = tl.sum(tl.where(mine, starts, 0), 0) + (p - first_tile) * BM + tl.arange(0, BM)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
         r = tl.arange(0, BR)
-        rm, rk = rows < row_end, r < R
-        rows64 = rows.to(tl.int64)
-        m_e = m_ptr + e.to(tl.int64) * s_me
-        if not FMA:
-            h = tl.load(h_ptr + rows64[:, None] * s_h + r[None, :], mask=rm[:, None] & rk[None, :], other=0.0)
-        for c in tl.static_range(CPP):
-            cols = (tl.program_id(1) * CPP + c) * BN + tl.arange(0, BN)
-            cm = cols < N
-            if FMA:
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-                for k in tl.static_range(BR):
-                    hk = tl.load(h_ptr + rows64 * s_h + k, mask=rm & (k < R), other=0.0).to(tl.float32)
-                    mk = tl.load(m_e + k * s_mr + cols * s_mn, mask=(e < E) & (k < R) & cm, other=0.0)
-                    acc += hk[:, None] * mk.to(tl.float32)[None, :]
-            else:
-                m = tl.load(
-                    m_e + r[:, None] * s_mr + cols[None, :] * s_mn,
-                    mask=(e < E) & rk[:, None] & cm[None, :],
-                    other=0.0,
-                )
-                if DOT_F32:
-                    acc = tl.dot(h.to(tl.float32), m.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = tl.dot(h, m)
-            o = out_ptr + rows64[:, None] * s_out + cols[None, :]
-            om = rm[:, None] & cm[None, :]
-            total = tl.load(o, mask=om, other=0.0).to(tl.float32) + acc
-            tl.store(o, total.to(out_ptr.dtype.element_ty), mask=om)
+        rm, cm, rk = rows < row_end, cols < N, r < R
+        rows64 = rows.to(tl.int64)[:, None]
+        h = tl.load(h_ptr + rows64 * s_h + r[None, :], mask=rm[:, None] & rk[None, :], other=0.0)
+        m = tl.load(
+            m_ptr + e.to(tl.int64) * s_me + r[:, None] * s_mr + cols[None, :] * s_mn,
+            mask=(e < E) & rk[:, None] & cm[None, :],
+            other=0.0,
+        )
+        if DOT_F32:
+            acc = tl.dot(h.to(tl.float32), m.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(h, m)
+        o = out_ptr + rows64 * s_out + cols[None, :]
+        om = rm[:, None] & cm[None, :]
+        total = tl.load(o, mask=om, other=0.0).to(tl.float32) + acc
+        tl.store(o, total.to(out_ptr.dtype.element_ty), mask=om)
 
 
 def _triton_add_(out: torch.Tensor, h: torch.Tensor, m: torch.Tensor, ends: torch.Tensor) -> None:
     (rows, n), (experts, r) = out.shape, m.shape[:2]
-    bm, bn, warps, cpp, fma = BLOCKS
-    grid = (triton.cdiv(rows, bm) + experts, triton.cdiv(n, bn * cpp))
+    bm, bn, warps = BLOCKS
+    grid = (triton.cdiv(rows, bm) + experts, triton.cdiv(n, bn))
     _add_kernel[grid](
         out, h, m, ends, n, r, experts, out.stride(0), h.stride(0), *m.stride(),
-        BM=bm, BN=bn, BR=max(16, triton.next_power_of_2(r)), BE=triton.next_power_of_2(experts), CPP=cpp,
-        FMA=bool(fma), DOT_F32=not out.is_cuda or out.dtype == torch.float32, num_warps=warps,
+        BM=bm, BN=bn, BR=max(16, triton.next_power_of_2(r)), BE=triton.next_power_of_2(experts),
+        DOT_F32=not out.is_cuda or out.dtype == torch.float32, num_warps=warps,
     )  # fmt: skip
 
 
