@@ -26,8 +26,9 @@ except ImportError:  # the torch path serves CPU tensors and machines without Tr
 
 # Fixed launch configuration (autotuning would have to finish before CUDA-graph capture): rows per
 # tile, columns per tile, warps. Swept on an H200 at Qwen3-30B-A3B's and Qwen3.5-35B-A3B's expert
-# widths (bench/grouped_experts.py): tiles of 32-128 rows by 64-256 columns were within 15 % of each
-# other; rank-1 updates instead of tl.dot were 3-5x slower, several column tiles per program mixed.
+# widths (bench/grouped_experts.py): no other tile beat this one at every width or in two runs (the
+# best per width 0-20 % faster, a different one each run); 128-row or 256-column tiles with 8 warps were
+# up to 2x slower, rank-1 updates instead of tl.dot 3-5x slower.
 BLOCKS = (64, 128, 4)
 
 if triton is not None:
