@@ -6,7 +6,8 @@ kernel alone per launch configuration.
 Shapes are those of the MoE models' routed experts at 4,096 tokens (top-8, so 32,768 routed rows), r 16,
 the routing drawn at random (about even, as a trained router's load-balancing keeps it). Times are CUDA
 events around each forward + backward (median of ``--iters`` after ``--warmup``), on one GPU, nothing
-else running on it.
+else running on it; the inputs' and factors' gradients accumulate over the iterations (one in-place add per
+leaf, the same on both sides), and each timing includes the gap before the host's first launch.
 
     python bench/grouped_experts.py [--iters 50] [--blocks 64,128,4 64,64,4 ...] [--json out.json]
 """

@@ -35,18 +35,30 @@ def is_needed() -> bool:
     return torch.cuda.is_available() and megatron_core_in("0.16", "0.20")
 
 
-def counts_suffice(dispatcher) -> bool:
-    """Whether the token counts are all the dispatch needs from the router's output: one EP and TP rank,
-    dropless, no capacity, no padding for quantization (whose output size is data-dependent)."""
+def dispatch_host_reason(dispatcher) -> str | None:
+    """What makes the dispatch itself need host values (the setting to change), or None where the token
+    counts are all it needs from the router's output: one EP and TP rank, dropless, no capacity, no padding
+    for quantization (whose output size is data-dependent)."""
     config = dispatcher.config
-    return (
-        dispatcher.ep_size == 1
-        and dispatcher.tp_size == 1
-        and not dispatcher.drop_and_pad
-        and config.moe_expert_capacity_factor is None
-        and not getattr(config, "moe_router_padding_for_quantization", False)
-        and not getattr(config, "moe_router_padding_for_fp8", False)
-    )
+    for needed, reason in (
+        (dispatcher.ep_size != 1, f"expert-parallel size {dispatcher.ep_size}: the all-to-all's split sizes"),
+        (dispatcher.tp_size != 1, f"expert tensor-parallel size {dispatcher.tp_size}"),
+        (dispatcher.drop_and_pad, "--moe-pad-expert-input-to-capacity"),
+        (config.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor"),
+        (
+            getattr(config, "moe_router_padding_for_quantization", False),
+            "--moe-router-padding-for-quantization",
+        ),
+        (getattr(config, "moe_router_padding_for_fp8", False), "--moe-router-padding-for-fp8"),
+    ):
+        if needed:
+            return reason
+    return None
+
+
+def counts_suffice(dispatcher) -> bool:
+    """Whether the token counts are all the dispatch needs (:func:`dispatch_host_reason` finds nothing)."""
+    return dispatch_host_reason(dispatcher) is None
 
 
 def leaving_counts_on_device(maybe_dtoh_and_synchronize):
@@ -72,18 +84,16 @@ def capturing() -> bool:
 
 
 def capture_refusal(dispatcher) -> str:
-    """Why a MoE layer being captured in a CUDA graph needs the host, and the scope that captures around it."""
-    if not getattr(dispatcher, "counts_on_device", False):
-        why = (
-            "its routed experts need the counts on the host (only twinkle LoRA's grouped-GEMM experts take "
-            "them on the GPU: --moe-grouped-gemm, bf16 experts without a bias; full fine-tuning, FP8/FP4 "
-            "experts and megatron's sequential experts need host counts)"
-        )
+    """Why a MoE layer being captured in a CUDA graph needs the host (what the experts or the dispatch
+    found, :func:`dispatch_host_reason`), and the scope that captures around it."""
+    if getattr(dispatcher, "counts_on_device", False):
+        why = f"the dispatch needs host values itself ({dispatch_host_reason(dispatcher)})"
     else:
-        why = (
-            "the dispatch needs host values itself (expert- or tensor-parallel size above 1, "
-            "--moe-expert-capacity-factor, or padding for FP8/FP4)"
+        reason = getattr(dispatcher, "host_counts_reason", None) or (
+            "only twinkle LoRA's grouped-GEMM experts take them on the GPU: full fine-tuning and megatron's "
+            "sequential experts (no --moe-grouped-gemm) take them on the host"
         )
+        why = f"its routed experts need the counts on the host ({reason})"
     return (
         "a MoE layer is being captured in a CUDA graph, but its token dispatcher must copy the routed token "
         f"counts to the host and wait for them, which a capture cannot do: {why}. Capture attention and "

@@ -115,20 +115,27 @@ def test_alltoall_with_counts_on_device_equals_allgather(
 def test_counts_stay_where_experts_cannot_take_them(te, single_rank, alltoall_on_host, monkeypatch):  # noqa: F811
     """A dispatcher is asked to leave the counts on the device only where its experts take them, adapted
     or frozen: not with a bias (megatron splits it per expert on the host), nor with fp8 (it pads each
-    expert's block there)."""
+    expert's block there). Where it is not asked, it keeps the experts' reason, naming the flag."""
     _patch(monkeypatch, alltoall_on_host)
-    for kwargs, takes in [
-        ({}, True),
-        ({"targets": ("q_proj",)}, True),
-        ({"add_bias_linear": True}, False),
+    for kwargs, reason in [
+        ({}, None),
+        ({"targets": ("q_proj",)}, None),
+        ({"add_bias_linear": True}, "--disable-bias-linear"),
     ]:
         moe = _moe_layer(te, moe_token_dispatcher_type="alltoall", **kwargs)
         keep_routed_counts_on_device(moe)
-        assert getattr(moe.token_dispatcher, "counts_on_device", False) == takes, kwargs
+        dispatcher = moe.token_dispatcher
+        assert dispatcher.counts_on_device == (reason is None), kwargs
+        assert (
+            (dispatcher.host_counts_reason is None)
+            if reason is None
+            else reason in dispatcher.host_counts_reason
+        )
     moe = _moe_layer(te, moe_token_dispatcher_type="alltoall")
     moe.experts.config = types.SimpleNamespace(**{**vars(moe.experts.config), "fp8": "hybrid"})
     keep_routed_counts_on_device(moe)
     assert not moe.token_dispatcher.counts_on_device
+    assert "--fp8-format" in moe.token_dispatcher.host_counts_reason
 
 
 def _stand_in_dispatcher(**change) -> types.SimpleNamespace:
@@ -142,37 +149,43 @@ def _stand_in_dispatcher(**change) -> types.SimpleNamespace:
 
 
 @pytest.mark.parametrize(
-    "change",
+    "change, reason",
     [
-        {},
-        {"ep_size": 2},
-        {"tp_size": 2},
-        {"drop_and_pad": True},
-        {"moe_expert_capacity_factor": 1.0},
-        {"moe_router_padding_for_quantization": True},
-        {"counts_on_device": False},
+        ({}, None),
+        ({"ep_size": 2}, "expert-parallel size 2: the all-to-all's split sizes"),
+        ({"tp_size": 2}, "expert tensor-parallel size 2"),
+        ({"drop_and_pad": True}, "--moe-pad-expert-input-to-capacity"),
+        ({"moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor"),
+        ({"moe_router_padding_for_quantization": True}, "--moe-router-padding-for-quantization"),
+        ({"counts_on_device": False}, None),
     ],
     ids=["left", "ep2", "tp2", "drop_and_pad", "capacity", "padding", "not_asked"],
 )
-def test_counts_are_copied_as_upstream_unless_asked_and_enough(change):
+def test_counts_are_copied_as_upstream_unless_asked_and_enough(change, reason):
     """Upstream's copy and wait run for every dispatcher not asked, and for every asked one that needs
     host values: split sizes for an all-to-all or gather over several ranks, a data-dependent output
-    size (capacity, padding)."""
+    size (capacity, padding); what needs them is named by the setting that does."""
     dispatcher = _stand_in_dispatcher(**change)
     calls = []
     wrapped = moe_counts_on_device.leaving_counts_on_device(lambda *a: calls.append(a) or "upstream")
     counts = torch.tensor([2, 0, 1])
     got = wrapped(dispatcher, "before_finish", counts)
     assert (got is counts) == (change == {}) and (calls == []) == (change == {}), change
+    assert moe_counts_on_device.dispatch_host_reason(dispatcher) == reason
 
 
 @pytest.mark.parametrize(
     "change, why",
     [
-        ({"counts_on_device": False}, "need the counts on the host"),
-        ({"ep_size": 2}, "expert- or tensor-parallel"),
+        ({"counts_on_device": False}, r"need the counts on the host \(only twinkle LoRA's grouped-GEMM"),
+        (
+            {"counts_on_device": False, "host_counts_reason": "biases on the linears"},
+            r"need the counts on the host \(biases on the linears\)",
+        ),
+        ({"ep_size": 2}, r"needs host values itself \(expert-parallel size 2"),
+        ({"moe_expert_capacity_factor": 1.0}, r"needs host values itself \(--moe-expert-capacity-factor\)"),
     ],
-    ids=["not_asked", "ep2"],
+    ids=["not_twinkle", "experts_reason", "ep2", "capacity"],
 )
 def test_capture_that_would_wait_is_refused_with_the_scope_to_use(monkeypatch, change, why):
     """Inside a CUDA graph capture, a dispatcher that must wait for the counts on the host (upstream then

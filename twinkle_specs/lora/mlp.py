@@ -98,18 +98,36 @@ class CountsOnDevice:
     :func:`~.model.keep_routed_counts_on_device`), and they reach the grouped linears as
     :class:`~.experts.DeviceCounts`, whose grouped GEMMs take their offsets on the device."""
 
-    def takes_device_counts(self) -> bool:
-        """Whether the counts may stay on the GPU: both linears are twinkle's grouped bases, megatron's
-        forward calls them (not TE's op fuser), and it needs the counts for nothing else (no FP8/FP4
-        padding, no bias split per expert, no probabilities applied to the input)."""
+    def host_counts_reason(self) -> str | None:
+        """What makes these experts need the token counts on the host (the flag to change), or None where
+        they may stay on the GPU: both linears are twinkle's grouped bases, megatron's forward calls them
+        (not TE's op fuser), and it needs the counts for nothing else (no FP8/FP4 padding, no bias split
+        per expert, no probabilities applied to the input)."""
         config = self.config
-        return (
-            all(getattr(m, "accepts_device_counts", False) for m in (self.linear_fc1, self.linear_fc2))
-            and not (config.fp8 or config.fp4)
-            and not config.add_bias_linear
-            and not getattr(config, "moe_apply_probs_on_input", False)
-            and not getattr(config, "use_transformer_engine_op_fuser", False)
-        )
+        linears = (self.linear_fc1, self.linear_fc2)
+        for needed, reason in (
+            (
+                not all(getattr(m, "accepts_device_counts", False) for m in linears),
+                "linears other than twinkle's grouped bases",
+            ),
+            (
+                config.fp8 or config.fp4,
+                "FP8/FP4 experts (--fp8-format/--fp4-format): their blocks are padded",
+            ),
+            (
+                config.add_bias_linear,
+                "biases on the linears, split per expert (--disable-bias-linear drops them)",
+            ),
+            (getattr(config, "moe_apply_probs_on_input", False), "--moe-apply-probs-on-input"),
+            (getattr(config, "use_transformer_engine_op_fuser", False), "--use-transformer-engine-op-fuser"),
+        ):
+            if needed:
+                return reason
+        return None
+
+    def takes_device_counts(self) -> bool:
+        """Whether the counts may stay on the GPU (:meth:`host_counts_reason` finds nothing)."""
+        return self.host_counts_reason() is None
 
     def forward(self, hidden_states: torch.Tensor, tokens_per_expert: Any, *args: Any, **kwargs: Any):
         """megatron's forward, with ``tokens_per_expert`` as :class:`~.experts.DeviceCounts` where it is on

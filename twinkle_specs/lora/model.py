@@ -201,14 +201,16 @@ def link_input_recipes(chunk: torch.nn.Module) -> None:
 
 def keep_routed_counts_on_device(chunk: torch.nn.Module) -> None:
     """Asks each MoE layer's token dispatcher to leave the routed token counts on the GPU where its
-    experts take them there (``mlp.CountsOnDevice.takes_device_counts``): the dispatcher then neither copies
-    them to the host nor waits for that copy (``patches/moe_counts_on_device.py``, which also decides
-    where nothing else needs them on the host). Idempotent."""
+    experts take them there (``mlp.CountsOnDevice.host_counts_reason`` finds nothing): the dispatcher then
+    neither copies them to the host nor waits for that copy (``patches/moe_counts_on_device.py``, which also
+    decides where nothing else needs them on the host); where the experts need them, the dispatcher keeps
+    the reason, for the error a CUDA graph capture of that wait raises. Idempotent."""
     for module in chunk.modules():
         dispatcher, experts = getattr(module, "token_dispatcher", None), getattr(module, "experts", None)
-        takes = getattr(experts, "takes_device_counts", None)  # mlp.CountsOnDevice
-        if dispatcher is not None and takes is not None:
-            dispatcher.counts_on_device = takes()
+        reason = getattr(experts, "host_counts_reason", None)  # mlp.CountsOnDevice
+        if dispatcher is not None and reason is not None:
+            dispatcher.host_counts_reason = reason()
+            dispatcher.counts_on_device = dispatcher.host_counts_reason is None
 
 
 def _routed_tokens_are_gathered(moe: Any) -> bool:
