@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         "--blocks",
         nargs="+",
         default=[",".join(map(str, grouped_low_rank.BLOCKS))],
-        help="launch configurations of the in-place sum's kernel to time (grouped_low_rank.BLOCKS): rows,columns,warps",
+        help="launch configurations of the in-place sum's kernel to time (grouped_low_rank.BLOCKS): "
+        "rows,columns,warps",
     )
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)

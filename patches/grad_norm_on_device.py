@@ -17,7 +17,8 @@ experts, under CUDA graphs). Larger sets (a full fine-tune) keep upstream's host
 as a float, and clipping multiplies only when it clips. Their norm is still taken here, in one multi-tensor
 pass and one sync: megatron-core 0.19 imports ``multi_tensor_scale_tensor`` with TE's multi-tensor kernels,
 so without it (TE 2.11) and without apex it falls back to ``local_multi_tensor_l2_norm``, which turns every
-gradient's norm into a Python float: a host sync per gradient tensor. Only the 2-norm, the one megatron's optimizers use, is taken here.
+gradient's norm into a Python float: a host sync per gradient tensor. Only the 2-norm, the one megatron's
+optimizers use, is taken here.
 """
 
 from __future__ import annotations

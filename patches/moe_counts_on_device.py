@@ -38,11 +38,12 @@ def is_needed() -> bool:
 def dispatch_host_reason(dispatcher) -> str | None:
     """What makes the dispatch itself need host values (the setting to change), or None where the token
     counts are all it needs from the router's output: one EP and TP rank, dropless, no capacity, no padding
-    for quantization (whose output size is data-dependent)."""
+    for quantization (whose output size is data-dependent). Called at each of the dispatcher's copy points
+    (:func:`counts_suffice`), so the reasons are constant strings, formatted nowhere."""
     config = dispatcher.config
     for needed, reason in (
-        (dispatcher.ep_size != 1, f"expert-parallel size {dispatcher.ep_size}: the all-to-all's split sizes"),
-        (dispatcher.tp_size != 1, f"expert tensor-parallel size {dispatcher.tp_size}"),
+        (dispatcher.ep_size != 1, "expert-parallel size above 1: the all-to-all's split sizes"),
+        (dispatcher.tp_size != 1, "expert tensor-parallel size above 1"),
         (dispatcher.drop_and_pad, "--moe-pad-expert-input-to-capacity"),
         (config.moe_expert_capacity_factor is not None, "--moe-expert-capacity-factor"),
         (

@@ -339,15 +339,16 @@ def _frozen_lora_fused(x, w, a, b, ends, scaling):
 
 
 def _frozen_lora_unfused(x, w, a, b, ends, scaling):
-    """The chain the fused function replaces: grouped base, grouped adapter delta, one sum each way."""
+    """The chain the fused function replaces: grouped base, grouped adapter delta, one sum each way (the
+    delta's splits go unused: ``ends`` is given)."""
     return experts.FrozenGroupedMM.apply(x, w, ends) + experts.expert_delta_grouped(
-        x, a, b, SPLITS, scaling, ends
+        x, a, b, None, scaling, ends
     )
 
 
 def _frozen_lora_loop(x, w, a, b, ends, scaling):
-    """The same math one expert at a time (any dtype: the fp64 reference)."""
-    blocks = torch.split(x, SPLITS)
+    """The same math one expert at a time (any dtype: the fp64 reference), blocks from ``ends``."""
+    blocks = torch.split(x, torch.diff(ends.cpu(), prepend=ends.new_zeros(1).cpu()).tolist())
     return torch.cat([xe @ w[e].t() + scaling * (xe @ a[e].t()) @ b[e].t() for e, xe in enumerate(blocks)])
 
 
@@ -466,20 +467,9 @@ def test_frozen_grouped_lora_bf16_cuda_matches_fp64(n_in, n_out):
         out.backward(grad.to(device, dtype))
         return [t.double().cpu() for t in (out.detach(), xs.grad, fa.grad, fb.grad)]
 
-    def loop(x, w, a, b, _ends, scaling):
-        blocks = torch.split(x, splits)
-        return torch.cat(
-            [xe @ w[e].t() + scaling * (xe @ a[e].t()) @ b[e].t() for e, xe in enumerate(blocks)]
-        )
-
-    exact = run(loop, torch.float64, "cpu")
-    fused = run(lambda *t: experts.FrozenGroupedLora.apply(*t, None, None), torch.bfloat16)
-    chain = run(
-        lambda x, w, a, b, e, s: (
-            experts.FrozenGroupedMM.apply(x, w, e) + experts.expert_delta_grouped(x, a, b, splits, s, e)
-        ),
-        torch.bfloat16,
-    )
+    exact = run(_frozen_lora_loop, torch.float64, "cpu")
+    fused = run(_frozen_lora_fused, torch.bfloat16)
+    chain = run(_frozen_lora_unfused, torch.bfloat16)
     for name, f, c, want in zip(("out", "x", "a", "b"), fused, chain, exact, strict=True):
         scale = want.abs().max()
         err_f, err_c = (f - want).abs().max() / scale, (c - want).abs().max() / scale
