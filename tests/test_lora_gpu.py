@@ -323,6 +323,53 @@ def test_te_frozen_experts_on_grouped_mm_match_te_grouped_linear(lora_checkpoint
     assert worst <= 5e-2, worst
 
 
+def test_te_norms_add_the_residual_gradient_bit_for_bit(lora_checkpoints, gpu, monkeypatch):
+    """Qwen3, LoRA all-linear, bf16: where megatron takes ``(output, residual)`` from the layer norms
+    (megatron-core 0.19+), the hidden norms' backward kernel adds the residual's gradient (norm
+    .FrozenRowRMSNorm with ``residual``) and the loss and every adapter gradient are those of the model
+    whose norms return their output alone (autograd's own sum), bit for bit: the kernel rounds as that
+    sum does. The fused path is checked to have run: each norm backward got the residual's gradient."""
+    from test_lora_support import randomize_megatron, tokens
+
+    from twinkle_specs.lora import adapter_parameters, norm
+
+    model = _bf16_lora_model(lora_checkpoints("qwen3"))
+    norms = [m for m in model.modules() if isinstance(m, norm.HiddenNorm)]
+    assert norms
+    if not all(m.returns_residual for m in norms):
+        pytest.skip("megatron-core below 0.19 takes no residual from a norm")
+    randomize_megatron(model)
+    toks = tokens(s=64).cuda()
+    pos = torch.arange(toks.shape[1], device="cuda").expand_as(toks)
+    added = []
+    backward = norm.FrozenRowRMSNorm.backward
+
+    def counted(ctx, dy, dr=None):
+        added.append(dr is not None)
+        return backward(ctx, dy, dr)
+
+    monkeypatch.setattr(norm.FrozenRowRMSNorm, "backward", staticmethod(counted))
+
+    def loss_and_grads():
+        for p in adapter_parameters(model):
+            p.grad = None
+        loss = _next_token_loss(model, toks, pos)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in adapter_parameters(model)]
+
+    loss, grads = loss_and_grads()
+    # every norm whose input needs a gradient (the first layer's may not: frozen embeddings)
+    assert len(added) >= len(norms) - 1 and all(added), added
+    for m in norms:
+        m.returns_residual = False
+    calls, added[:] = len(added), []
+    plain_loss, plain_grads = loss_and_grads()
+    assert added == [False] * calls, added
+    assert loss == plain_loss
+    for got, want in zip(grads, plain_grads, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_te_routed_adapters_keep_no_routed_activation(lora_checkpoints, gpu, monkeypatch):
     """Qwen3-MoE, LoRA all-linear, bf16, megatron's all-to-all dispatcher with its fused permute: fc1's
     adapters keep the router's input and rebuild the permuted tokens in backward (recompute

@@ -11,12 +11,18 @@ the interpreter truncating bf16 casts). Checkpoint keys are a TE norm's (``weigh
 HiddenNorm (the norm before an adapted QKV / fc1): on CPU against the same fp64 reference (fp32 1e-6,
 bf16 8e-3), zero-centred gamma too; its row kernels interpreted (the tolerances above; measured fp32
 1.4e-7, fp16 3.6e-4, bf16 7.3e-3), with the amax FP8 current scaling takes exactly the output's largest
-magnitude and the output unchanged by taking it."""
+magnitude and the output unchanged by taking it; with the residual returned, the input gradient is the
+norm's plus the residual's (same tolerances), the output unchanged and the residual a view of the input;
+an adapter's A gradient from the norm's input and the 1/rms the kernel left on its output (norm.RowScaled)
+against the fp64 ``dhᵀ y`` (same tolerances).
+Bit-for-bit equality of that fused sum with autograd's is tests/test_lora_gpu.py's (the interpreter's
+bf16 casts truncate)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import types
 
 import pytest
 import torch
@@ -172,6 +178,29 @@ def _triton_errors(device: str, cases: tuple) -> dict[str, float]:
     return errors
 
 
+def test_hidden_norm_returns_the_residual_where_megatron_takes_it(monkeypatch):
+    """megatron-core 0.19+ takes ``(output, residual)`` from a layer norm: HiddenNorm gives it there (in
+    training on the GPU), not below 0.19, nor with the norms recomputed selectively or activations
+    offloaded (both wrap the norm's call); on the CPU (torch's RMSNorm) it returns the output alone."""
+    import megatron.core
+    from packaging.version import Version
+
+    takes = Version(megatron.core.__version__) >= Version("0.19")
+    assert N.layer_takes_residual(_config(normalization="RMSNorm")) is takes
+    recomputed = _config(
+        normalization="RMSNorm", recompute_granularity="selective", recompute_modules=["layernorm"]
+    )
+    assert not N.layer_takes_residual(recomputed)
+    monkeypatch.setattr(megatron.core, "__version__", "0.19.0")
+    assert N.layer_takes_residual(_config(normalization="RMSNorm"))
+    monkeypatch.setattr(megatron.core, "__version__", "0.16.1")
+    assert not N.layer_takes_residual(_config(normalization="RMSNorm"))
+    norm = N.HiddenNorm(_config(normalization="RMSNorm"), hidden_size=32, eps=EPS)
+    norm.returns_residual = True
+    out = norm(torch.randn(3, 32, requires_grad=True))
+    assert isinstance(out, torch.Tensor) and out.shape == (3, 32)
+
+
 def _row_reference(x: torch.Tensor, w: torch.Tensor, zero_centered: bool) -> torch.Tensor:
     return _reference(x, w.double() + 1.0 if zero_centered else w)
 
@@ -208,6 +237,28 @@ def _row_errors(device: str, cases: tuple) -> dict:
                 errors[f"{key}/same-exact"] = float(
                     not torch.equal(out, plain) or fp8_amax.tagged(plain) is not None
                 )
+                # with the residual: (output, x as a view); the backward adds the residual's gradient
+                dr = torch.randn(width, *lead, generator=g).movedim(0, -1).to(device=device, dtype=dtype)
+                xt = x.detach().clone().requires_grad_(True)
+                out_r, res = N.FrozenRowRMSNorm.apply(xt, w, EPS, zc, False, True)
+                torch.autograd.backward([out_r, res], [dy, dr])
+                errors[f"{key}/residual-dx"] = _rel(xt.grad.cpu(), xr.grad + dr.double().cpu())
+                errors[f"{key}/residual-exact"] = float(
+                    not torch.equal(out_r, plain) or not torch.equal(res, xt) or res._base is not xt
+                )
+                # an adapter's A gradient from the norm's input and the rows' 1/rms the kernel left on y
+                rank = 3
+                dh = torch.randn(*lead, rank, generator=g).to(device=device, dtype=dtype)
+                norm = types.SimpleNamespace(weight=w, zero_centered_gamma=zc)
+                bound = N.NormOutput(norm).bind(plain)
+                da = bound.a_grad(x, dh.reshape(-1, rank), 0.5)
+                want_da = (
+                    0.5
+                    * dh.double().cpu().reshape(-1, rank).t()
+                    @ _row_reference(x.double().cpu(), w.cpu(), zc).reshape(-1, width)
+                )
+                errors[f"{key}/a-grad"] = _rel(da.cpu(), want_da)
+                errors[f"{key}/a-grad-bound"] = float(type(bound) is not N.RowScaled)
     finally:
         N._row_fwd_kernel, N._row_bwd_kernel = fwd.kernel, bwd.kernel
     errors["row-launches"] = (fwd.launches, bwd.launches)
@@ -226,7 +277,7 @@ TRITON_TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 def _assert_within_tolerance(errors: dict[str, float]) -> None:
     """Shapes exact; output and input gradient within :data:`TRITON_TOL` of their dtype."""
     for key, err in errors.items():
-        tol = 0.0 if key.endswith(("/shape", "-exact")) else TRITON_TOL[key.split("/")[0]]
+        tol = 0.0 if key.endswith(("/shape", "-exact", "-bound")) else TRITON_TOL[key.split("/")[0]]
         assert err <= tol, (key, err, tol)
 
 
@@ -237,7 +288,8 @@ def test_triton_kernels_under_interpreter():
     fp32 -> bf16 by truncation where the GPU rounds to nearest (measured: see the module docstring)."""
     errors = interpreted(__file__)
     assert errors.pop("launches") == [3 * len(INTERPRETED)] * 2, errors
-    assert errors.pop("row-launches") == [2 * 3 * len(ROWS_INTERPRETED), 3 * len(ROWS_INTERPRETED)], errors
+    rows = 3 * len(ROWS_INTERPRETED)  # three dtypes; per case: with the amax, without, with the residual
+    assert errors.pop("row-launches") == [3 * rows, 2 * rows], errors
     _assert_within_tolerance(errors)
 
 

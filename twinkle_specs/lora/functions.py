@@ -106,7 +106,8 @@ class LowRankDown(torch.autograd.Function):
     own would be a kernel each way per adapted linear, 64 a step on the Qwen3-8B shape's 8 layers).
 
     With a recipe (``source``, ``fn``: ``fn(source)`` reproduces ``x`` bit for bit) it keeps ``source``,
-    which the base keeps anyway, instead of ``x`` and recomputes ``x`` in backward. With a ``link`` it
+    which the base keeps anyway, instead of ``x`` and recomputes ``x`` in backward, or takes ``a``'s
+    gradient from ``source`` where ``fn`` has an ``a_grad`` (:class:`~twinkle_specs.lora.norm.RowScaled`). With a ``link`` it
     returns no input gradient and leaves ``dh``, ``a`` and ``scale`` on the link for
     :class:`IntoBaseGrad`; with a deferred one it keeps nothing and returns no gradient at all (``a``'s
     comes from the link's consumer).
@@ -139,8 +140,12 @@ class LowRankDown(torch.autograd.Function):
         dh2 = dh.reshape(-1, dh.shape[-1])
         dx = da = None
         if ctx.needs_input_grad[1]:
-            x = saved if ctx.fn is None else ctx.fn(saved)
-            da = scaled_mm(dh2.t(), x.reshape(-1, x.shape[-1]), scale)
+            a_grad = getattr(ctx.fn, "a_grad", None)  # a recipe that needs no x for it (norm.RowScaled)
+            if a_grad is not None:
+                da = a_grad(saved, dh2, scale)
+            else:
+                x = saved if ctx.fn is None else ctx.fn(saved)
+                da = scaled_mm(dh2.t(), x.reshape(-1, x.shape[-1]), scale)
         if link is not None:
             link.dh, link.a, link.scale = dh, a, scale
         elif ctx.needs_input_grad[0]:

@@ -177,6 +177,8 @@ def link_input_recipes(chunk: torch.nn.Module) -> None:
             from .te_layers import te_norm_recompute
 
             return te_norm_recompute(norm)
+        if hasattr(norm, "lora_input_fn"):  # norm.HiddenNorm
+            return norm.lora_input_fn()
         return getattr(norm, "forward", None)
 
     for name, module in chunk.named_modules():

@@ -74,7 +74,10 @@ class InputRecipe:
                 self.ok = torch.equal(self.fn(source), x)
             if not self.ok:
                 log.warning("%s: the adapter input is not fn(source); it is saved as is", self.name)
-        return (source, self.fn) if self.ok and widths == self.widths else None
+        if not self.ok or widths != self.widths:
+            return None
+        bind = getattr(self.fn, "bind", None)  # a recipe that uses what this forward left on x
+        return source, bind(x) if bind is not None else self.fn
 
 
 def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
