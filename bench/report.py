@@ -261,12 +261,15 @@ def _repeats(r: dict[str, Any]) -> str:
     return f" ({len(medians)} runs, medians {min(medians):.4f}–{max(medians):.4f})"
 
 
-def _commit(doc: dict[str, Any], r: dict[str, Any]) -> str | None:
-    """The tree a row was measured on (rows from before rows carried it: the file's)."""
-    return r.get("git_commit") or doc["environment"].get("git_commit")
+def _commit(doc: dict[str, Any], r: dict[str, Any]) -> str:
+    """The tree a row was measured on: its commit, or where none was known (a copy without git or a COMMIT
+    file that matches) its sources' hash; the file's for rows from before rows carried either."""
+    if "git_commit" not in r:
+        return doc["environment"].get("git_commit")
+    return r["git_commit"] or f"no commit, sources sha256 {str(r.get('source_sha256'))[:12]}"
 
 
-def _commits(doc: dict[str, Any]) -> list[str | None]:
+def _commits(doc: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(_commit(doc, r) for r in doc["results"]))
 
 

@@ -14,7 +14,10 @@ The arithmetic is TE's: fp32 statistics and products, the output rounded once to
 :class:`HiddenNorm`: the layer norm in front of an adapted QKV or fc1 (LoRA splits it from TE's fused
 linear, :mod:`.spec`), frozen too, by two such kernels over whole hidden rows: no weight-gradient partials
 and finalize in the backward, and under FP8 current scaling the forward also takes its output's amax,
-which the linear's FP8 cast then need not read the tensor again for (:mod:`.fp8_amax`).
+which the linear's FP8 cast then need not read the tensor again for (:mod:`.fp8_amax`). Where megatron takes
+``(output, residual)`` from a layer norm, its backward kernel also adds the residual's gradient
+(:class:`FrozenRowRMSNorm`); and the adapter behind it takes its A gradient from the norm's input and the
+rows' 1/rms rather than from the output recomputed (:class:`RowScaled`).
 """
 
 from __future__ import annotations
@@ -349,7 +352,9 @@ class RowScaled(NormOutput):
 
     def a_grad(self, source: torch.Tensor, dh: torch.Tensor, scale: float) -> torch.Tensor:
         """``scale * dhᵀ y`` [r, hidden] for ``dh`` [tokens, r] and the norm's input ``source``."""
-        w = self.norm.weight.float() + 1.0 if self.norm.zero_centered_gamma else self.norm.weight.float()
-        scaled = (dh.float() * self.rstd[:, None]).to(dh.dtype)
+        w = self.norm.weight
+        w = w.float() + 1.0 if self.norm.zero_centered_gamma else w
+        # each product in fp32, rounded to dh's dtype on the way out: one kernel each, no casts of their own
+        scaled = torch.mul(dh, self.rstd[:, None], out=torch.empty_like(dh))
         da = scaled_mm(scaled.t(), source.reshape(-1, source.shape[-1]), scale)
-        return (da.float() * w).to(da.dtype)
+        return torch.mul(da, w, out=da)
