@@ -98,6 +98,19 @@ def environment(in_process: bool, out: Path) -> dict:
     return env | code_provenance(out)
 
 
+def loaded_cudnn() -> dict | None:
+    """The cuDNN libraries this process has mapped and, where Transformer Engine is imported, the version it
+    reports. TE looks for cuDNN under ``CUDA_HOME`` and on the system's library path before the wheel that
+    torch ships, so the attention a run measured may come from another cuDNN than torch's (the device
+    machine's image has 9.14 in /usr/lib beside torch's 9.19). None where no cuDNN is loaded."""
+    maps = Path("/proc/self/maps")
+    lines = maps.read_text().splitlines() if maps.is_file() else []
+    libraries = sorted({line.split()[-1] for line in lines if "/libcudnn" in line})
+    te = sys.modules.get("transformer_engine_torch")
+    version = te.get_cudnn_version() if hasattr(te, "get_cudnn_version") else None
+    return {"te_version": version, "libraries": libraries} if libraries or version else None
+
+
 def cpu_list(cpus: set[int]) -> str:
     """``{0, 1, 2, 5}`` as ``0-2,5``."""
     runs: list[list[int]] = []

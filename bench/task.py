@@ -15,6 +15,7 @@ import torch
 
 from . import memory, report
 from .device import on_gpu
+from .environment import loaded_cudnn
 from .flops import peak_flops, step_flops
 from .profiling import profile_steps
 from .settings import Prepared, Settings, lora_config
@@ -52,6 +53,7 @@ def measure(prepared: Prepared, s: Settings, out_dir: Path, tag: str) -> dict[st
         result["profile"] = profile_steps(
             prepared.step, s.profile_steps, out_dir, tag, s.profile_trace, s.profile_stacks
         )
+    result["cudnn"] = loaded_cudnn()  # after the steps: the libraries they loaded
     return result
 
 

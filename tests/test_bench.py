@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import kernel_diff, report  # noqa: E402
-from bench.environment import code_provenance, cpu_list, parse_cpu_list  # noqa: E402
+from bench.environment import code_provenance, cpu_list, loaded_cudnn, parse_cpu_list  # noqa: E402
 from bench.flops import peak_flops, step_flops  # noqa: E402
 from bench.outputs import EXPORT_FILES  # noqa: E402
 from bench.run import main  # noqa: E402
@@ -1468,3 +1468,18 @@ def test_unsloth_targets_train_unsloths_adapters_on_qwen3_moe(tmp_path, targets,
     assert ("router" in sites) is (targets == "all-linear")
     dense = write_config("qwen3-8b", 2, tmp_path / "dense")
     assert lora_config(Settings(lora_targets="unsloth"), dense).target_modules == ("all-linear",)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads /proc/self/maps (Linux)")
+def test_loaded_cudnn_names_the_mapped_libraries_and_tes_version(monkeypatch):
+    """What a result records of cuDNN: the libcudnn files this process mapped (none in a CPU build of torch;
+    a CUDA build maps torch's at import) and the version TE reports where TE is imported."""
+    mapped = sorted(
+        {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "/libcudnn" in line}
+    )
+    monkeypatch.delitem(sys.modules, "transformer_engine_torch", raising=False)
+    assert loaded_cudnn() == ({"te_version": None, "libraries": mapped} if mapped else None)
+    fake_te = type(sys)("transformer_engine_torch")
+    fake_te.get_cudnn_version = lambda: 91400
+    monkeypatch.setitem(sys.modules, "transformer_engine_torch", fake_te)
+    assert loaded_cudnn() == {"te_version": 91400, "libraries": mapped}
