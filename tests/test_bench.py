@@ -496,7 +496,8 @@ def test_cpu_merge_and_report_only(cpu_run, tmp_path, monkeypatch):
     md = (out / "results.md").read_text()
     assert "[old-tree] @0ld0ld0" in md and f"[mbs-sweep] @{final['environment']['git_commit']}" in md
     assert "commit(s): " in md and "0ld0ld0" in md.split("commit(s): ")[1].splitlines()[0]
-    # a row measured without a known commit (a copy of another tree) shows its sources' hash, not the file's commit
+    # a row measured without a known commit (a copy of another tree) shows its sources' hash, not the
+    # file's commit
     unknown = dict(extra, tag="copy", git_commit=None, source_sha256="0123456789abcdef")
     other.write_text(json.dumps(dict(merged, results=[unknown])))
     assert main(["--report-only", "--out", str(out), "--merge", str(other)]) == 0

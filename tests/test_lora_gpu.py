@@ -235,13 +235,14 @@ def test_te_forward_without_autograd_is_the_training_forward_bit_for_bit(lora_ch
 def _qwen3_moe_lora_bf16(lora_checkpoints, **overrides) -> tuple:
     """Qwen3-MoE with LoRA r=8 all-linear in bf16 on TE grouped-GEMM experts, the adapters randomised
     (B != 0: they change the output and get full gradients), and 64 tokens with their positions."""
+    return _randomized_bf16_lora(lora_checkpoints("qwen3_moe"), moe_grouped_gemm=True, **overrides)
+
+
+def _randomized_bf16_lora(checkpoint, **overrides) -> tuple:
+    """:func:`_bf16_lora_model` with its adapters randomised, and 64 tokens with their positions."""
     from test_lora_support import randomize_megatron, tokens
 
-    model = _bf16_lora_model(
-        lora_checkpoints("qwen3_moe"),
-        moe_grouped_gemm=True,
-        **overrides,
-    )
+    model = _bf16_lora_model(checkpoint, **overrides)
     randomize_megatron(model)
     toks = tokens(s=64).cuda()
     return model, toks, torch.arange(toks.shape[1], device="cuda").expand_as(toks)
@@ -266,6 +267,17 @@ def _next_token_loss(model, toks: torch.Tensor, pos: torch.Tensor) -> torch.Tens
 
     logits = model(toks, pos, None)[..., :VOCAB].float()
     return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), toks[:, 1:].reshape(-1))
+
+
+def _loss_and_adapter_grads(model, toks: torch.Tensor, pos: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+    """One forward and backward from cleared adapter gradients: the loss and each adapter's gradient (fp32)."""
+    from twinkle_specs.lora import adapter_parameters
+
+    for p in adapter_parameters(model):
+        p.grad = None
+    loss = _next_token_loss(model, toks, pos)
+    loss.backward()
+    return loss.item(), [p.grad.float().clone() for p in adapter_parameters(model)]
 
 
 def test_group_ends_reach_the_gpu_without_a_host_sync(gpu):
@@ -297,24 +309,16 @@ def test_te_frozen_experts_on_grouped_mm_match_te_grouped_linear(lora_checkpoint
     another expert's weights shows as O(1); the op itself is held to fp64 in test_lora_fused.py)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the grouped-GEMM base runs on sm90 (H100/H200) only")
-    from twinkle_specs.lora import adapter_parameters, te_layers
+    from twinkle_specs.lora import te_layers
 
     model, toks, pos = _qwen3_moe_lora_bf16(lora_checkpoints)
     grouped = [m for m in model.modules() if isinstance(m, te_layers._LoraTEGroupedLinear)]
     assert grouped
-
-    def loss_and_grads():
-        for p in adapter_parameters(model):
-            p.grad = None
-        loss = _next_token_loss(model, toks, pos)
-        loss.backward()
-        return loss.item(), [p.grad.float().clone() for p in adapter_parameters(model)]
-
-    loss, grads = loss_and_grads()
+    loss, grads = _loss_and_adapter_grads(model, toks, pos)
     assert all(hasattr(m, "_grouped_stack") for m in grouped), "the grouped-GEMM base did not run"
     declined: list[int] = []  # TE's GroupedLinear runs wherever the grouped-GEMM base is declined
     monkeypatch.setattr(te_layers._LoraTEGroupedLinear, "_frozen_base_stack", lambda *a: declined.append(1))
-    te_loss, te_grads = loss_and_grads()
+    te_loss, te_grads = _loss_and_adapter_grads(model, toks, pos)
     assert len(declined) == len(grouped), "the TE GroupedLinear comparison run did not run TE's base"
     scale = max(g.abs().max().item() for g in te_grads)
     worst = max((g - t).abs().max().item() for g, t in zip(grads, te_grads, strict=True)) / scale
@@ -329,18 +333,13 @@ def test_te_norms_add_the_residual_gradient_bit_for_bit(lora_checkpoints, gpu, m
     .FrozenRowRMSNorm with ``residual``) and the loss and every adapter gradient are those of the model
     whose norms return their output alone (autograd's own sum), bit for bit: the kernel rounds as that
     sum does. The fused path is checked to have run: each norm backward got the residual's gradient."""
-    from test_lora_support import randomize_megatron, tokens
+    from twinkle_specs.lora import norm
 
-    from twinkle_specs.lora import adapter_parameters, norm
-
-    model = _bf16_lora_model(lora_checkpoints("qwen3"))
+    model, toks, pos = _randomized_bf16_lora(lora_checkpoints("qwen3"))
     norms = [m for m in model.modules() if isinstance(m, norm.HiddenNorm)]
     assert norms
     if not all(m.returns_residual for m in norms):
         pytest.skip("megatron-core below 0.19 takes no residual from a norm")
-    randomize_megatron(model)
-    toks = tokens(s=64).cuda()
-    pos = torch.arange(toks.shape[1], device="cuda").expand_as(toks)
     added = []
     backward = norm.FrozenRowRMSNorm.backward
 
@@ -349,21 +348,13 @@ def test_te_norms_add_the_residual_gradient_bit_for_bit(lora_checkpoints, gpu, m
         return backward(ctx, dy, dr)
 
     monkeypatch.setattr(norm.FrozenRowRMSNorm, "backward", staticmethod(counted))
-
-    def loss_and_grads():
-        for p in adapter_parameters(model):
-            p.grad = None
-        loss = _next_token_loss(model, toks, pos)
-        loss.backward()
-        return loss.item(), [p.grad.clone() for p in adapter_parameters(model)]
-
-    loss, grads = loss_and_grads()
+    loss, grads = _loss_and_adapter_grads(model, toks, pos)
     # every norm whose input needs a gradient (the first layer's may not: frozen embeddings)
     assert len(added) >= len(norms) - 1 and all(added), added
     for m in norms:
         m.returns_residual = False
     calls, added[:] = len(added), []
-    plain_loss, plain_grads = loss_and_grads()
+    plain_loss, plain_grads = _loss_and_adapter_grads(model, toks, pos)
     assert added == [False] * calls, added
     assert loss == plain_loss
     for got, want in zip(grads, plain_grads, strict=True):

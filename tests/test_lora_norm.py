@@ -201,6 +201,16 @@ def test_hidden_norm_returns_the_residual_where_megatron_takes_it(monkeypatch):
     assert isinstance(out, torch.Tensor) and out.shape == (3, 32)
 
 
+def test_norm_output_recomputes_without_the_modules_hooks():
+    """The adapter's recipe runs the norm's forward, not the module call: the forward hooks on the norm (an
+    InputRecipe records its input there) do not fire in the recompute, which would keep that input alive."""
+    norm = N.HiddenNorm(_config(normalization="RMSNorm"), hidden_size=32, eps=EPS)
+    calls = []
+    norm.register_forward_hook(lambda *_: calls.append(1))
+    x = torch.randn(3, 32)
+    assert torch.equal(N.NormOutput(norm)(x), norm(x)) and calls == [1]
+
+
 def _row_reference(x: torch.Tensor, w: torch.Tensor, zero_centered: bool) -> torch.Tensor:
     return _reference(x, w.double() + 1.0 if zero_centered else w)
 

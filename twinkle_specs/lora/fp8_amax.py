@@ -183,15 +183,16 @@ class CastGrad(torch.autograd.Function):
         return ctx.cast(grad), None
 
 
-def tag(t: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
-    """``t`` carrying the partial maxima its kernel took, for the linear that takes ``t`` next."""
-    setattr(t, AMAX_ATTR, (partials, t._version))
+def tag(t: torch.Tensor, partials: torch.Tensor, attr: str = AMAX_ATTR) -> torch.Tensor:
+    """``t`` carrying the partial maxima its kernel took, for the linear that takes ``t`` next (``attr``:
+    another statistic of ``t`` under another name, e.g. the rows' 1/rms, :data:`~.norm.RSTD_ATTR`)."""
+    setattr(t, attr, (partials, t._version))
     return t
 
 
-def tagged(t: torch.Tensor) -> torch.Tensor | None:
-    """The partial maxima :func:`tag` left on ``t``, None if none or ``t`` was modified since."""
-    entry = getattr(t, AMAX_ATTR, None)
+def tagged(t: torch.Tensor, attr: str = AMAX_ATTR) -> torch.Tensor | None:
+    """What :func:`tag` left on ``t`` under ``attr``, None if none or ``t`` was modified since."""
+    entry = getattr(t, attr, None)
     return entry[0] if entry is not None and entry[1] == t._version else None
 
 

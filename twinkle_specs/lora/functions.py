@@ -107,8 +107,8 @@ class LowRankDown(torch.autograd.Function):
 
     With a recipe (``source``, ``fn``: ``fn(source)`` reproduces ``x`` bit for bit) it keeps ``source``,
     which the base keeps anyway, instead of ``x`` and recomputes ``x`` in backward, or takes ``a``'s
-    gradient from ``source`` where ``fn`` has an ``a_grad`` (:class:`~twinkle_specs.lora.norm.RowScaled`). With a ``link`` it
-    returns no input gradient and leaves ``dh``, ``a`` and ``scale`` on the link for
+    gradient from ``source`` where ``fn`` has an ``a_grad`` (:class:`~twinkle_specs.lora.norm.RowScaled`).
+    With a ``link`` it returns no input gradient and leaves ``dh``, ``a`` and ``scale`` on the link for
     :class:`IntoBaseGrad`; with a deferred one it keeps nothing and returns no gradient at all (``a``'s
     comes from the link's consumer).
     """

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..te_extra_state import TEExtraState
-from .fp8_amax import current_scaling, tag
+from .fp8_amax import current_scaling, tag, tagged
 from .functions import scaled_mm
 
 try:
@@ -39,7 +39,7 @@ except ImportError:  # the torch path serves CPU tensors and machines without Tr
 
 ROWS_PER_PROGRAM = 32
 MAX_WIDTH = 1024
-RSTD_ATTR = "_twinkle_row_rstd"  # a row kernel's output carries its 1/rms per row (NormOutput.bind)
+RSTD_ATTR = "_twinkle_row_rstd"  # a row kernel's output's 1/rms per row (fp8_amax.tag; NormOutput.bind)
 
 
 if triton is not None:
@@ -104,8 +104,8 @@ if triton is not None:
             tl.store(amax_ptr + tl.program_id(0), tile_amax(y, m))
 
     @triton.jit
-    def _row_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dr_ptr, dx_ptr, rows, N: tl.constexpr, BN: tl.constexpr,
-                        BR: tl.constexpr, ZC: tl.constexpr, ADD: tl.constexpr):  # fmt: skip
+    def _row_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dr_ptr, dx_ptr, rows, N: tl.constexpr,
+                        BN: tl.constexpr, BR: tl.constexpr, ZC: tl.constexpr, ADD: tl.constexpr):  # fmt: skip
         """:func:`_bwd_kernel`'s input gradient over ``BR`` contiguous rows of ``N``; no weight gradient. With
         ``ADD``, plus the residual's gradient ``dr`` (same layout), added to the rounded norm gradient and
         rounded again, as autograd's separate sum of the two would."""
@@ -244,7 +244,7 @@ class FrozenRowRMSNorm(torch.autograd.Function):
         ctx.save_for_backward(x2, weight, rstd)
         ctx.zero_centered = zc
         ctx.set_materialize_grads(False)
-        setattr(y, RSTD_ATTR, (rstd, y._version))
+        y = tag(y, rstd, RSTD_ATTR)
         y = y if partials is None else tag(y, partials)
         return (y, x.view_as(x)) if residual else y
 
@@ -329,13 +329,11 @@ class NormOutput:
         self.norm = norm
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x)
+        return self.norm.forward(x)  # not the module call: its forward hooks (the recipe's own) stay out
 
     def bind(self, y: torch.Tensor) -> NormOutput:
-        entry = getattr(y, RSTD_ATTR, None)
-        if entry is None or entry[1] != y._version:
-            return self
-        return RowScaled(self.norm, entry[0])
+        rstd = tagged(y, RSTD_ATTR)
+        return self if rstd is None else RowScaled(self.norm, rstd)
 
 
 class RowScaled(NormOutput):
