@@ -21,7 +21,7 @@ from .device import device, on_gpu
 from .load_timing import time_load
 from .packed_rows import packed_row
 from .settings import Prepared, Settings, count_params, lora_config
-from .timing import CLOCK
+from .timing import CLOCK, median_cuda_ms
 
 # (model, facts for the result) from (hf_dir, settings, TransformerConfig overrides)
 ModelFn = Callable[[Path, Settings, dict[str, Any]], tuple[Any, dict[str, Any]]]
@@ -462,18 +462,15 @@ def unfused_accumulation_ms(model, repeats: int = 5) -> float:
     apex, as here, every micro-batch pays it."""
     params = [p for p in model.parameters() if p.requires_grad and hasattr(p, "main_grad")]
     grads = [torch.randn_like(p) for p in params]
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def accumulate() -> None:
         for p, g in zip(params, grads, strict=True):
             p.main_grad.add_(g)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+
+    ms = median_cuda_ms(accumulate, repeats)
     for p in params:
         p.main_grad.zero_()
-    return sorted(times)[len(times) // 2]
+    return ms
 
 
 def _full_iteration_step(wrapped, finish, config, batch: Batch, s: Settings):

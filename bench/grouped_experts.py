@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the checkout's package
     sys.path.insert(0, str(ROOT))
 
+from bench.timing import median_cuda_ms  # noqa: E402
 from twinkle_specs.lora import experts, grouped_low_rank  # noqa: E402
 
 # model: (hidden, expert ffn, experts); fc1 maps hidden -> 2 * ffn (gate | up), fc2 ffn -> hidden
@@ -38,21 +38,6 @@ def _routing(n_experts: int, g: torch.Generator) -> torch.Tensor:
     picks = torch.rand(TOKENS, n_experts, generator=g).topk(TOPK, dim=1).indices
     counts = torch.bincount(picks.flatten(), minlength=n_experts)
     return counts.cumsum(0).to(torch.int32).cuda()
-
-
-def _time(fn, iters: int, warmup: int) -> float:
-    """Median ms of ``fn()`` by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _linear(n_in: int, n_out: int, ends: torch.Tensor, g: torch.Generator):
@@ -85,7 +70,8 @@ def _site(n_in: int, n_out: int, ends: torch.Tensor, g, iters: int, warmup: int,
     x, w, a, b, grad = _linear(n_in, n_out, ends, g)
     row: dict = {"in": n_in, "out": n_out, "experts": ends.numel()}
     for name, fn in (("fused_ms", _fused), ("chain_ms", _chain)):
-        row[name] = round(_time(lambda: fn(x, w, a, b, ends).backward(grad), iters, warmup), 4)  # noqa: B023
+        step = lambda: fn(x, w, a, b, ends).backward(grad)  # noqa: B023, E731
+        row[name] = round(median_cuda_ms(step, iters, warmup), 4)
     row["saved_ms"] = round(row["chain_ms"] - row["fused_ms"], 4)
     h = torch.randn(x.shape[0], RANK, generator=g).to("cuda", torch.bfloat16)
     out = torch.randn(x.shape[0], n_out, generator=g).to("cuda", torch.bfloat16)
@@ -93,7 +79,7 @@ def _site(n_in: int, n_out: int, ends: torch.Tensor, g, iters: int, warmup: int,
     sweep = {}
     for config in blocks:
         grouped_low_rank.BLOCKS = config
-        ms = _time(
+        ms = median_cuda_ms(
             lambda: grouped_low_rank.grouped_low_rank_add_(out, h, b.transpose(1, 2), ends), iters, warmup
         )
         sweep[",".join(map(str, config))] = {"ms": round(ms, 4), "gb_per_s": round(moved / ms / 1e6, 1)}

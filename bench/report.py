@@ -262,8 +262,9 @@ def _repeats(r: dict[str, Any]) -> str:
 
 
 def _commit(doc: dict[str, Any], r: dict[str, Any]) -> str:
-    """The tree a row was measured on: its commit, or where none was known (a copy without git or a COMMIT
-    file that matches) its sources' hash; the file's for rows from before rows carried either."""
+    """The tree a row was measured on: its commit, or where none was known (a copy without git and without a
+    COMMIT file whose hash matches) its sources' hash; the file's commit for rows from before rows carried
+    one."""
     if "git_commit" not in r:
         return doc["environment"].get("git_commit")
     return r["git_commit"] or f"no commit, sources sha256 {str(r.get('source_sha256'))[:12]}"

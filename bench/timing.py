@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import time
 from typing import Any
 
@@ -67,6 +68,22 @@ def gc_paused():
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+def median_cuda_ms(fn, iters: int, warmup: int = 0) -> float:
+    """Median ms of ``fn()`` by CUDA events around each call, after ``warmup`` untimed calls: for an op or
+    a few of them, not a training step (:func:`time_steps`)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def time_steps(step, warmup: int, steps: int, sample_gpu: bool = True) -> dict[str, Any]:
