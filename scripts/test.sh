@@ -4,9 +4,9 @@
 #   leg 0.19: Python 3.12 in .venv-mcore019 with megatron-core 0.19.x, whose wheel also ships
 #             megatron/training, so the tests against Megatron-LM's own parser and checkpoint loader run.
 # `--leg 0.16` or `--leg 0.19` runs one leg; other arguments go to pytest. GPU tests skip themselves here.
-# Tests marked one_leg (pyproject.toml: the Slurm and Ray launch scripts' own mechanics, and torch/Triton-only
-# kernels and harness code, which exercise no megatron-core version-specific code) run on leg 0.16 only: leg
-# 0.19 sets TWINKLE_SKIP_ONE_LEG=1.
+# Tests marked one_leg (pyproject.toml: the Slurm and Ray launch scripts' own mechanics and torch/Triton-only
+# kernels, which exercise no megatron-core version-specific code, on leg 0.16; the benchmark harness, whose GPU
+# runs use megatron-core 0.19, on leg 0.19) run on one leg only: each leg names itself in TWINKLE_TEST_LEG.
 # pytest runs on PYTEST_WORKERS (default 2) pytest-xdist workers, each test module whole on one worker (its
 # module fixtures start a cluster or one torchrun per world size once); 0 runs it in the pytest process.
 # Set-up adds the dev/test extras and two system packages for the launch-script tests: a real Slurm
@@ -88,12 +88,12 @@ for leg in "${legs[@]}"; do
       TWINKLE_EXTRAS="[dev,ray,bench]" bash scripts/setup.sh  # one editable install, with the extras
       $py -m ruff check .
       echo "== leg 0.16: $($py --version), megatron-core $(mcore_version "$py")"
-      $py -m pytest -q -rs "${workers[@]}" "${pytest_args[@]}" || failed+=(0.16)
+      TWINKLE_TEST_LEG=0.16 $py -m pytest -q -rs "${workers[@]}" "${pytest_args[@]}" || failed+=(0.16)
       ;;
     0.19)
       py019=$(setup_019)
       echo "== leg 0.19: $($py019 --version), megatron-core $(mcore_version "$py019")"
-      TWINKLE_SKIP_ONE_LEG=1 $py019 -m pytest -q -rs "${workers[@]}" "${pytest_args[@]}" || failed+=(0.19)
+      TWINKLE_TEST_LEG=0.19 $py019 -m pytest -q -rs "${workers[@]}" "${pytest_args[@]}" || failed+=(0.19)
       ;;
     *) echo "test: unknown leg $leg (0.16 or 0.19)" >&2; exit 2;;
   esac

@@ -126,17 +126,22 @@ def run_dist(
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``one_leg`` (pyproject.toml says which and why) skip where TWINKLE_SKIP_ONE_LEG is
-    set: scripts/test.sh sets it on leg 0.19, so they run once, on leg 0.16. Elsewhere they run."""
-    if not os.environ.get("TWINKLE_SKIP_ONE_LEG"):
+    """Tests marked ``one_leg`` (pyproject.toml says which and why) run on one leg of scripts/test.sh, which
+    names its leg in TWINKLE_TEST_LEG: leg 0.16, or the leg the marker names (``one_leg("0.19")``). Where
+    TWINKLE_TEST_LEG is unset (a plain pytest run) they run."""
+    leg = os.environ.get("TWINKLE_TEST_LEG")
+    if not leg:
         return
-    skip = pytest.mark.skip(
-        reason="one_leg: no megatron-core version-specific code; scripts/test.sh runs it on leg 0.16 "
-        "(TWINKLE_SKIP_ONE_LEG is set here)"
-    )
     for item in items:
-        if "one_leg" in item.keywords:
-            item.add_marker(skip)
+        marker = item.get_closest_marker("one_leg")
+        runs_on = (marker.args or ("0.16",))[0] if marker else leg
+        if runs_on != leg:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"one_leg: scripts/test.sh runs it on leg {runs_on} only (this is leg {leg}; "
+                    "pyproject.toml's one_leg marker says why)"
+                )
+            )
 
 
 @pytest.fixture(scope="session", autouse=True)

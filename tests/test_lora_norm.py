@@ -291,6 +291,7 @@ def _assert_within_tolerance(errors: dict[str, float]) -> None:
         assert err <= tol, (key, err, tol)
 
 
+@pytest.mark.one_leg  # the row kernels alone: torch and Triton, nothing of megatron-core
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_under_interpreter():
     """The Triton forward/backward (interpreted on CPU) against fp64, strided inputs and gradients.
