@@ -24,7 +24,7 @@ from bench import kernel_diff, report  # noqa: E402
 from bench.environment import code_provenance, cpu_list, loaded_cudnn, parse_cpu_list  # noqa: E402
 from bench.flops import peak_flops, step_flops  # noqa: E402
 from bench.outputs import EXPORT_FILES  # noqa: E402
-from bench.run import main  # noqa: E402
+from bench.run import PRESETS, main  # noqa: E402
 from twinkle_specs.config_reading import HybridArch  # noqa: E402
 from twinkle_specs.hf_config import QwenArch  # noqa: E402
 from twinkle_specs.lora import LoraConfig  # noqa: E402
@@ -563,21 +563,20 @@ def test_interleaved_variants_train_as_they_would_alone(cpu_run, tmp_path):
         assert r["losses"] == alone[r["variant"]]["losses"], r["variant"]
 
 
-HYBRID_VARIANTS = "mcore_te_full,twinkle_full,twinkle_lora,hf_peft_lora,twinkle_frozen,twinkle_lora_sft"
+HYBRID_VARIANTS = "mcore_te_full,twinkle_full,twinkle_lora,hf_peft_lora,twinkle_frozen"
+HYBRID_SHAPES = ("tiny-qwen3.5", "tiny-qwen3.5-moe")
+SFT_SEQ = 2048  # a row that holds a few conversations of the packed SFT length distribution
 
 
 @pytest.fixture(scope="module")
 def hybrid_run(tmp_path_factory):
-    """The tiny Qwen3.5 shapes through every variant, and (c) and (g) on the dense tiny shape, at seq 2048
-    (a row that holds a few conversations of the packed SFT length distribution)."""
+    """The tiny Qwen3.5 shapes through every variant at the tiny preset's sequence length; (c) and (g) on them
+    and on the dense tiny shape at SFT_SEQ."""
     out, work = tmp_path_factory.mktemp("hybrid-out"), tmp_path_factory.mktemp("hybrid-work")
-    argv = ["--preset", "tiny", "--in-process", "--seq", "2048", "--out", str(out), "--work", str(work)]
-    argv += ["--load-layouts", ","]
-    assert main(argv + ["--shapes", "tiny-qwen3.5,tiny-qwen3.5-moe", "--variants", HYBRID_VARIANTS]) == 0
-    assert (
-        main(argv + ["--shapes", "tiny-qwen3", "--variants", "twinkle_lora,twinkle_lora_sft", "--no-load"])
-        == 0
-    )
+    argv = ["--preset", "tiny", "--in-process", "--out", str(out), "--work", str(work), "--load-layouts", ","]
+    assert main(argv + ["--shapes", ",".join(HYBRID_SHAPES), "--variants", HYBRID_VARIANTS]) == 0
+    sft = ["--seq", str(SFT_SEQ), "--shapes", ",".join((*HYBRID_SHAPES, "tiny-qwen3")), "--no-load"]
+    assert main(argv + sft + ["--variants", "twinkle_lora,twinkle_lora_sft"]) == 0
     return out, json.loads((out / "results.json").read_text())
 
 
@@ -587,19 +586,22 @@ def test_cpu_hybrid_shapes_and_packed_rows(hybrid_run):
     is skipped for want of CUDA; the FLOP count's adapters are those the LoRA models train; the packed SFT
     rows count their conversations' tokens only, on the hybrid and the dense shape."""
     out, doc = hybrid_run
-    rows = {(r["shape"], r["variant"]): r for r in doc["results"]}
-    assert len(rows) == 2 * 6 + 2
-    for shape in ("tiny-qwen3.5", "tiny-qwen3.5-moe"):
-        stock = rows[shape, "mcore_te_full"]
+    rows = {(r["shape"], r["variant"], r["seq_len"]): r for r in doc["results"]}
+    assert len(rows) == 2 * 5 + 3 * 2
+    tiny = PRESETS["tiny"]["seq"]
+    for shape in HYBRID_SHAPES:
+        stock = rows[shape, "mcore_te_full", tiny]
         assert stock["status"] == "skipped" and "CUDA" in stock["reason"]
-        for variant in HYBRID_VARIANTS.split(",")[1:]:
-            r = rows[shape, variant]
+        variants = [(v, tiny) for v in HYBRID_VARIANTS.split(",")[1:]] + [("twinkle_lora_sft", SFT_SEQ)]
+        for variant, seq in variants:
+            r = rows[shape, variant, seq]
             assert r["status"] == "ok", r.get("traceback") or r
             _check_ok_result(r)
             assert (
                 r["model_flops"]["linear_attention_forward"] > 0 and r["model_flops"]["attention_forward"] > 0
             )
-        c, d, g = rows[shape, "twinkle_lora"], rows[shape, "hf_peft_lora"], rows[shape, "twinkle_lora_sft"]
+        c, d = rows[shape, "twinkle_lora", tiny], rows[shape, "hf_peft_lora", tiny]
+        g = rows[shape, "twinkle_lora_sft", SFT_SEQ]
         # the same adapters in Megatron and in peft, and the ones N_lora counts (each used once per token)
         assert c["trainable_params"] == d["trainable_params"] == c["model_flops"]["adapter_weights"]
         assert g["trainable_params"] == c["trainable_params"]
@@ -607,16 +609,18 @@ def test_cpu_hybrid_shapes_and_packed_rows(hybrid_run):
         # which chunked delta rule each side trained on is in the result (the torch reference here)
         assert c["gdn_rule"] == "torch reference (host tensors)", c.get("gdn_rule")
         assert d["gdn_rule"] == "torch reference (transformers')", d.get("gdn_rule")
-        assert 0.9 < rows[shape, "twinkle_full"]["load"]["read_fraction"] <= 1.0
-    for shape in ("tiny-qwen3.5", "tiny-qwen3.5-moe", "tiny-qwen3"):
-        c, g = rows[shape, "twinkle_lora"], rows[shape, "twinkle_lora_sft"]
-        assert g["useful_tokens_per_step"] < g["tokens_per_step"] == 2048 and len(g["sequence_lengths"]) > 1
+        assert 0.9 < rows[shape, "twinkle_full", tiny]["load"]["read_fraction"] <= 1.0
+    for shape in (*HYBRID_SHAPES, "tiny-qwen3"):
+        c, g = rows[shape, "twinkle_lora", SFT_SEQ], rows[shape, "twinkle_lora_sft", SFT_SEQ]
+        assert (
+            g["useful_tokens_per_step"] < g["tokens_per_step"] == SFT_SEQ and len(g["sequence_lengths"]) > 1
+        )
         # fewer tokens, each attending within its own conversation: less model work than (c)'s row
         assert g["model_flops"]["attention_forward"] < c["model_flops"]["attention_forward"]
-        ratio = doc["ratios"][f"{shape} seq2048 mbs1"]["sft_over_c_tokens_per_s"]
+        ratio = doc["ratios"][f"{shape} seq{SFT_SEQ} mbs1"]["sft_over_c_tokens_per_s"]
         assert math.isclose(ratio, g["tokens_per_s_per_gpu"] / c["tokens_per_s_per_gpu"])
     md = (out / "results.md").read_text()
-    useful = rows["tiny-qwen3.5", "twinkle_lora_sft"]["useful_tokens_per_step"]
+    useful = rows["tiny-qwen3.5", "twinkle_lora_sft", SFT_SEQ]["useful_tokens_per_step"]
     assert f"packed SFT rows ({useful:,} useful tokens of 2,048, " in md and "sft_over_c_tokens_per_s" in md
 
 
