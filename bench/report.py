@@ -261,7 +261,7 @@ def _repeats(r: dict[str, Any]) -> str:
     return f" ({len(medians)} runs, medians {min(medians):.4f}–{max(medians):.4f})"
 
 
-def _commit(doc: dict[str, Any], r: dict[str, Any]) -> str:
+def _commit(doc: dict[str, Any], r: dict[str, Any]) -> str | None:
     """The tree a row was measured on: its commit, or where none was known (a copy without git and without a
     COMMIT file whose hash matches) its sources' hash; the file's commit for rows from before rows carried
     one."""
@@ -270,7 +270,7 @@ def _commit(doc: dict[str, Any], r: dict[str, Any]) -> str:
     return r["git_commit"] or f"no commit, sources sha256 {str(r.get('source_sha256'))[:12]}"
 
 
-def _commits(doc: dict[str, Any]) -> list[str]:
+def _commits(doc: dict[str, Any]) -> list[str | None]:
     return list(dict.fromkeys(_commit(doc, r) for r in doc["results"]))
 
 

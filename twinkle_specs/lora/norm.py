@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..config_mapping import installed_megatron_core
 from ..te_extra_state import TEExtraState
 from .fp8_amax import current_scaling, tag, tagged
 from .functions import scaled_mm
@@ -269,10 +270,9 @@ def layer_takes_residual(config: Any) -> bool:
     (megatron-core 0.19+, the protocol of its own fused residual RMSNorm) and calls them plainly: no
     selective recompute of the norms (a checkpoint around the call) and no fine-grained activation
     offloading (a context manager around it)."""
-    import megatron.core
     from packaging.version import Version
 
-    if Version(megatron.core.__version__) < Version("0.19"):
+    if Version(installed_megatron_core()) < Version("0.19"):
         return False
     selective = config.recompute_granularity == "selective"
     recomputed = selective and "layernorm" in (config.recompute_modules or ())
