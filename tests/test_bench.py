@@ -1492,3 +1492,26 @@ def test_loaded_cudnn_names_the_mapped_libraries_and_tes_version(monkeypatch):
     fake_te.get_cudnn_version = lambda: 91400
     monkeypatch.setitem(sys.modules, "transformer_engine_torch", fake_te)
     assert loaded_cudnn() == {"te_version": 91400, "libraries": mapped}
+
+
+def test_attention_probe_takes_the_harness_shapes_and_flop_count():
+    """bench/attention_backends.py times the attention layer of a benchmark shape: its heads and head
+    dim from bench/shapes.py, its FLOPs from bench/flops.py (2 * heads * head_dim * seq^2 per sequence
+    for a causal forward); a cuDNN setting it does not know is refused by name."""
+    from bench import attention_backends
+
+    assert attention_backends.shape_attention("qwen3-8b", 4096, 1) == (32, 8, 128, 2 * 32 * 128 * 4096**2)
+    assert attention_backends.shape_attention("qwen3.5-9b", 1024, 2) == (
+        16,
+        4,
+        256,
+        2 * 2 * 16 * 256 * 1024**2,
+    )
+    folder = attention_backends.wheel_cudnn_dir()
+    assert folder is None or (Path(folder) / "libcudnn.so.9").is_file()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "attention_backends.py"), "--cudnn", "usr"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "--cudnn: unknown setting 'usr' (system, wheel)" in proc.stderr
