@@ -8,6 +8,7 @@ runs several layouts in turn in one process group (tests/dist_jobs.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -41,16 +42,35 @@ def _layout(argv: list[str]) -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--sp", action="store_true", help="sequence parallel (with --tp > 1)")
     ap.add_argument("--tokens", help="a torch.save'd [b, s] token tensor (default: models.batch())")
     args = ap.parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    with _no_cuda_rng_fork() if args.sp and not on_gpu else contextlib.nullcontext():
+        _run_layout(args, on_gpu)
 
+
+@contextlib.contextmanager
+def _no_cuda_rng_fork():
+    """Megatron's embedding forks the CUDA RNG tracker around its dropout under sequence parallelism, which
+    needs CUDA; in eval nothing draws from it, so on the CPU the fork is a no-op for this job."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        del tracker.fork  # the class's own again
+
+
+def _run_layout(args: argparse.Namespace, on_gpu: bool) -> None:
     from megatron.core import parallel_state as ps
 
     import twinkle_specs as ts
 
-    on_gpu = torch.cuda.is_available()
     ps.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep)
-    model = ts.build_model(args.hf, load_weights=False).eval()
+    model = ts.build_model(args.hf, load_weights=False, sequence_parallel=args.sp).eval()
     report = ts.load_hf_weights(model, args.hf)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
