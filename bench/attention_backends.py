@@ -75,21 +75,7 @@ def measure(args: argparse.Namespace) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from bench.environment import loaded_cudnn
-
-    def device_ms(fn, iters: int, warmup: int) -> float:
-        """ms per call on the device: the calls are queued behind a sleep kernel, so that the host's
-        Python (TE's backend selection is a few hundred µs a call) is not timed, as under CUDA graphs."""
-        for _ in range(warmup):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000_000 // 1000 * iters)  # ~1 ms of cycles per queued call
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / iters
+    from bench.timing import queued_cuda_ms
 
     torch.manual_seed(0)
     s, b = args.seq, args.batch
@@ -109,8 +95,8 @@ def measure(args: argparse.Namespace) -> dict:
             torch.autograd.grad(out, (q, k, v), dout.view_as(out))
 
         try:
-            fwd_ms = device_ms(fwd_only, args.iters, args.warmup)
-            step_ms = device_ms(fwd_bwd, args.iters, args.warmup)
+            fwd_ms = queued_cuda_ms(fwd_only, args.iters, args.warmup)
+            step_ms = queued_cuda_ms(fwd_bwd, args.iters, args.warmup)
         except RuntimeError as err:  # a backend that refuses the shape is reported, not fatal
             rows[name] = {"error": str(err).splitlines()[0][:300]}
             return

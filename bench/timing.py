@@ -86,6 +86,23 @@ def median_cuda_ms(fn, iters: int, warmup: int = 0) -> float:
     return statistics.median(times)
 
 
+def queued_cuda_ms(fn, iters: int, warmup: int = 0) -> float:
+    """Mean ms of ``fn()`` on the device: the ``iters`` calls are queued behind a sleep kernel, so the host's
+    time to launch them (Python work per call, such as TE attention's backend selection) is not timed, as
+    under CUDA graphs; :func:`median_cuda_ms` times each call from the host's side."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000 * iters)  # ~1 ms of cycles per queued call
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def time_steps(step, warmup: int, steps: int, sample_gpu: bool = True) -> dict[str, Any]:
     """Runs ``warmup`` untimed and ``steps`` timed iterations of one variant (:func:`time_interleaved`
     with nothing to interleave). Returns per-step and per-phase times, the wall time of the timed loop,
