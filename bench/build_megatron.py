@@ -437,6 +437,8 @@ def prepare(
             create_cudagraphs()
 
     def update():
+        if not trains:  # nothing to step: the step's phases are its forward and backward only
+            return
         with CLOCK.phase("optimizer"):
             finish()
 
