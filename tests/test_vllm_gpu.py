@@ -1,0 +1,134 @@
+"""twinkle's PEFT adapters served by vLLM (GPU): an adapter exported from the Transformer Engine model loads in
+vLLM, and vLLM's prompt log-probabilities with it are transformers + peft's on the same adapter: dense Qwen3
+with every linear adapted, and Qwen3-MoE with attention and the routed experts (peft's ``target_parameters``
+layout, which vLLM takes with ``enable_mixed_moe_lora_format``, see tests/vllm_worker.py).
+
+bf16 rounds differently in each engine, so both are judged against the fp32 truth (transformers + peft in
+fp32): vLLM's mean error must stay within ``VLLM_ERROR_RATIO`` of transformers + peft's own bf16 run's, with
+the adapter and without it, and the adapter must move the truth by far more than either error (else the
+check could not tell a dropped adapter from a loaded one). vLLM comes from the kit that
+scripts/gpu/vllm_kit.sh stages (the device has no network) and runs in its own process."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import models
+import pytest
+import torch
+from gpu_checks import Evidence
+from test_lora_support import randomize_megatron
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (vLLM, Transformer Engine)"),
+]
+
+VLLM_KIT = Path(os.environ.get("TWINKLE_VLLM_KIT", "/tmp/gpu/vllm"))
+WORKER = Path(__file__).parent / "vllm_worker.py"
+EVIDENCE = Evidence("vllm-gpu.json")
+RANK = 8  # one of vLLM's supported max_lora_rank values
+# vLLM's bf16 kernels (fused MoE, its LoRA shrink/expand) round at other points than transformers' eager
+# bf16: its mean error against the fp32 truth may be this many times transformers + peft's bf16 error
+VLLM_ERROR_RATIO = 3.0
+EFFECT_RATIO = 10.0  # the adapter moves the truth by at least this many times the bf16 errors (mean)
+SIZE = dict(
+    vocab_size=256,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_hidden_layers=2,
+    max_position_embeddings=128,
+)
+CASES = {
+    "qwen3-all-linear": ("qwen3", dict(intermediate_size=512), dict(target_modules="all-linear")),
+    "qwen3_moe-attention-experts": (
+        "qwen3_moe",
+        dict(intermediate_size=512, moe_intermediate_size=128),
+        dict(
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+    ),
+}
+
+
+def _vllm_env() -> dict[str, str] | None:
+    """The environment of vLLM's process: the staged kit first on its path, or the environment's vLLM; None
+    where neither is there."""
+    env = dict(os.environ)
+    if VLLM_KIT.is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(VLLM_KIT), env.get("PYTHONPATH")]))
+        return env
+    return env if importlib.util.find_spec("vllm") is not None else None
+
+
+def _prompt_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Each position's log-probability of the next prompt token, [prompts, length - 1], in fp32."""
+    with torch.no_grad():
+        logits = model(tokens).logits.float()
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_exported_adapter_serves_in_vllm_as_in_peft(case, gpu, tmp_path):
+    env = _vllm_env()
+    if env is None:
+        pytest.skip(
+            f"needs vLLM: bash scripts/gpu/vllm_kit.sh stage (here) and install (there), or set TWINKLE_VLLM_KIT (not at {VLLM_KIT})"
+        )
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    import twinkle_specs as ts
+
+    kind, size, targets = CASES[case]
+    hf = models.make_checkpoint(kind, tmp_path / "hf", **SIZE, **size)
+    model = ts.build_model(
+        hf, lora=ts.LoraConfig(r=RANK, lora_alpha=2 * RANK, **targets), parallel_output=False
+    )
+    randomize_megatron(model, std=0.3)
+    adapter = tmp_path / "adapter"
+    ts.export_peft_adapter(model, adapter)
+    del model
+    torch.cuda.empty_cache()
+
+    tokens = torch.randint(0, SIZE["vocab_size"], (4, 48), generator=torch.Generator().manual_seed(1))
+    (tmp_path / "tokens.json").write_text(json.dumps(tokens.tolist()))
+    out = tmp_path / "vllm.json"
+    cmd = [sys.executable, str(WORKER), "--model", str(hf), "--adapter", str(adapter), "--rank", str(RANK)]
+    cmd += ["--tokens", str(tmp_path / "tokens.json"), "--out", str(out)]
+    cmd += ["--moe-3d"] if "target_parameters" in targets else []
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    served = json.loads(out.read_text())
+
+    ids = tokens.cuda()
+    ref: dict[str, torch.Tensor] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        base = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype).cuda().eval()
+        ref[f"base {dtype}"] = _prompt_logprobs(base, ids)
+        ref[f"lora {dtype}"] = _prompt_logprobs(peft.PeftModel.from_pretrained(base, adapter).eval(), ids)
+    stats = {"vllm": served["vllm"]}
+    for which in ("base", "lora"):
+        truth = ref[f"{which} {torch.float32}"]
+        vllm_err = (torch.tensor(served[which], device="cuda") - truth).abs()
+        peft_err = (ref[f"{which} {torch.bfloat16}"] - truth).abs()
+        stats[which] = {
+            "vllm_mean_abs": vllm_err.mean().item(),
+            "vllm_max_abs": vllm_err.max().item(),
+            "peft_bf16_mean_abs": peft_err.mean().item(),
+        }
+    effect = (ref[f"lora {torch.float32}"] - ref[f"base {torch.float32}"]).abs().mean().item()
+    stats["adapter_effect_mean_abs"] = effect
+    EVIDENCE.record(case, **stats)
+    for which in ("base", "lora"):
+        s = stats[which]
+        assert s["vllm_mean_abs"] <= VLLM_ERROR_RATIO * s["peft_bf16_mean_abs"], stats
+        assert effect >= EFFECT_RATIO * max(s["vllm_mean_abs"], s["peft_bf16_mean_abs"]), stats
