@@ -1515,3 +1515,30 @@ def test_attention_probe_takes_the_harness_shapes_and_flop_count():
         text=True,
     )
     assert proc.returncode == 2 and "--cudnn: unknown setting 'usr' (system, wheel)" in proc.stderr
+
+
+def test_lora_fold_probe_computes_what_the_adapter_computes():
+    """bench/lora_fold.py's folded GEMMs (the adapter's rank-r sums as columns of one buffer holding W, B and
+    A, over widened activations) give the unfused path's output and input gradient, and the linears it times
+    are the shape's: Qwen3-8B's widths from bench/shapes.py; a MoE shape is refused."""
+    from bench import lora_fold
+
+    assert lora_fold.adapted_linears("qwen3-8b") == {
+        "linear_qkv": (4096, 6144, True),
+        "linear_proj": (4096, 4096, True),
+        "linear_fc1": (4096, 24576, False),
+        "linear_fc2": (12288, 4096, True),
+    }
+    with pytest.raises(SystemExit, match="a dense shape"):
+        lora_fold.adapted_linears("qwen3-30b-a3b")
+    lin = lora_fold.Folded(t=32, k=48, n=40, r=4, scale=2.0, device="cpu", dtype=torch.float64)
+    x, dy, w, a, b = lin.x, lin.dy, lin.w, lin.a, lin.b
+    forward, dgrad = x @ w.t() + 2.0 * (x @ a.t()) @ b.t(), dy @ w + 2.0 * (dy @ b) @ a
+    assert (forward - x @ w.t()).abs().max() > 1e-2 and (
+        dgrad - dy @ w
+    ).abs().max() > 1e-2  # the adapter shows
+    for path in ("unfused", "folded"):
+        torch.testing.assert_close(getattr(lin, f"{path}_forward")(), forward, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(getattr(lin, f"{path}_dgrad")(), dgrad, rtol=1e-12, atol=1e-12)
+    # the folded weights are views of one buffer: the frozen weight is stored once
+    assert lin.weights[:40].data_ptr() == lin.weights.data_ptr() and lin.weights[:, :48].stride() == (52, 1)

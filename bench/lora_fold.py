@@ -1,0 +1,154 @@
+"""What folding a LoRA adapter's rank-r sums into its frozen base GEMM would save, per adapted linear of a
+dense benchmark shape: the probe to run before building it.
+
+Today (``twinkle_specs.lora.functions``) an adapted linear's forward is the base GEMM ``y = x Wᵀ``, the A
+GEMM ``u = s x Aᵀ`` and ``y += u Bᵀ``, a cuBLAS beta = 1 GEMM that reads and writes all of ``y`` again;
+its backward likewise adds ``(s dy B) A`` into the base's input gradient ``dy W``. Each sum is one GEMM over
+a reduction widened by r:
+
+* forward ``y = [x | u] @ [W | B]ᵀ``, backward ``dx = [dy | v] @ [W ; A]`` with ``v = s dy B``;
+* one buffer ``[N + r, K + r]`` holds ``W`` (top left), ``B`` (top right) and ``A`` (bottom left), so both
+  weights are strided views of it (the rows ``[:N]``, the columns ``[:, :K]``) and the frozen weight is
+  not stored twice;
+* the activations the same way: ``x`` in the first K columns of a ``[T, K + r]`` buffer that its producer
+  (the norm, attention, SwiGLU) would write into, ``u`` in the last r; ``dy`` and ``v`` likewise.
+
+Timed on the device (the calls queued behind a sleep kernel, as under CUDA graphs), bf16, for each linear:
+the base GEMM alone (the floor), the unfused sequence and the folded one, forward and input gradient (the
+adapter's own weight gradients are the same either way, not timed). fc1's forward is left out: its delta
+already goes into the SwiGLU kernel (``twinkle_specs.lora.swiglu``). ``--layers`` scales a layer's saving
+to a step.
+
+    python bench/lora_fold.py --shape qwen3-8b --layers 36 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: bench/ is importable as a package from the root
+    sys.path.insert(0, str(ROOT))
+
+
+def adapted_linears(shape: str) -> dict[str, tuple[int, int, bool]]:
+    """Each adapted linear of a dense shape's layer: (input width K, output width N, whether its forward sum
+    is timed), from bench/shapes.py's config."""
+    from bench import shapes
+
+    config = shapes.hf_config(shape)
+    if getattr(config, "num_experts", None) or shapes.SHAPES[shape].full_attention_every:
+        raise SystemExit(f"--shape {shape}: a dense shape (MoE and hybrid layers adapt other linears)")
+    h, f = config.hidden_size, config.intermediate_size
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    return {
+        "linear_qkv": (h, q + 2 * kv, True),
+        "linear_proj": (q, h, True),
+        "linear_fc1": (h, 2 * f, False),
+        "linear_fc2": (f, h, True),
+    }
+
+
+class Folded:
+    """The buffers of one folded linear: weights ``[N + r, K + r]`` and activations ``[T, K + r]`` and
+    ``[T, N + r]``, with the unfused path's own tensors beside them (the same values)."""
+
+    def __init__(self, t: int, k: int, n: int, r: int, scale: float, device: str, dtype: torch.dtype):
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def rand(*size: int, std: float = 1.0) -> torch.Tensor:
+            return (torch.randn(*size, generator=g, device=device) * std).to(dtype)
+
+        self.k, self.n, self.scale = k, n, scale
+        self.w, self.a, self.b = rand(n, k, std=k**-0.5), rand(r, k, std=k**-0.5), rand(n, r, std=0.1)
+        self.x, self.dy = rand(t, k), rand(t, n)
+        self.weights = torch.zeros(n + r, k + r, device=device, dtype=dtype)
+        self.weights[:n, :k], self.weights[:n, k:], self.weights[n:, :k] = self.w, self.b, self.a
+        self.xu = torch.empty(t, k + r, device=device, dtype=dtype)
+        self.xu[:, :k] = self.x
+        self.dyv = torch.empty(t, n + r, device=device, dtype=dtype)
+        self.dyv[:, :n] = self.dy
+
+    def base_forward(self) -> torch.Tensor:
+        return self.x @ self.w.t()
+
+    def unfused_forward(self) -> torch.Tensor:
+        y = self.x @ self.w.t()
+        u = torch.addmm(
+            self.x.new_empty(self.x.shape[0], self.a.shape[0]), self.x, self.a.t(), beta=0, alpha=self.scale
+        )
+        return y.addmm_(u, self.b.t())
+
+    def folded_forward(self) -> torch.Tensor:
+        k = self.k
+        torch.addmm(self.xu[:, k:], self.xu[:, :k], self.a.t(), beta=0, alpha=self.scale, out=self.xu[:, k:])
+        return self.xu @ self.weights[: self.n].t()
+
+    def base_dgrad(self) -> torch.Tensor:
+        return self.dy @ self.w
+
+    def unfused_dgrad(self) -> torch.Tensor:
+        dx = self.dy @ self.w
+        v = torch.addmm(
+            self.dy.new_empty(self.dy.shape[0], self.b.shape[1]), self.dy, self.b, beta=0, alpha=self.scale
+        )
+        return dx.addmm_(v, self.a)
+
+    def folded_dgrad(self) -> torch.Tensor:
+        n = self.n
+        torch.addmm(self.dyv[:, n:], self.dyv[:, :n], self.b, beta=0, alpha=self.scale, out=self.dyv[:, n:])
+        return self.dyv @ self.weights[:, : self.k]
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from bench.timing import queued_cuda_ms
+
+    rows: dict[str, dict] = {}
+    saved_ms = 0.0
+    for name, (k, n, forward_sum) in adapted_linears(args.shape).items():
+        lin = Folded(args.seq, k, n, args.rank, 2.0, "cuda", torch.bfloat16)
+        row: dict[str, float] = {"K": k, "N": n}
+        for which in ("forward", "dgrad") if forward_sum else ("dgrad",):
+            for path in ("base", "unfused", "folded"):
+                fn = getattr(lin, f"{path}_{which}")
+                row[f"{which}_{path}_ms"] = round(queued_cuda_ms(fn, args.iters, args.warmup), 4)
+            ref, got = getattr(lin, f"unfused_{which}")().float(), getattr(lin, f"folded_{which}")().float()
+            row[f"{which}_rel_diff"] = ((got - ref).norm() / ref.norm()).item()
+            saved_ms += row[f"{which}_unfused_ms"] - row[f"{which}_folded_ms"]
+        rows[name] = row
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": {"name": args.shape, "seq": args.seq, "rank": args.rank, "layers": args.layers},
+        "rows": rows,
+        "saved_ms_per_layer": round(saved_ms, 4),
+        "saved_ms_per_step": round(saved_ms * args.layers, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", default="qwen3-8b", help="a dense shape of bench/shapes.py")
+    parser.add_argument("--seq", type=int, default=4096, help="tokens per micro-batch")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=36, help="layers of the step the saving is scaled to")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    result = measure(args)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
