@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 
 def main() -> None:
@@ -27,14 +28,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--moe-3d", action="store_true")
     args = ap.parse_args()
-    os.environ.setdefault(
-        "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
-    )  # the engine in this process: one to clean up
+    # the engine in this process rather than a child of its own: one process to clean up
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    prompts = json.loads(open(args.tokens).read())
+    prompts = json.loads(Path(args.tokens).read_text())
     llm = LLM(
         model=args.model,
         dtype="bfloat16",
@@ -61,12 +62,8 @@ def main() -> None:
             for o, p in zip(outs, prompts, strict=True)
         ]
 
-    result = {"base": logprobs(None), "lora": logprobs(request)}
-    import vllm
-
-    result["vllm"] = vllm.__version__
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    result = {"base": logprobs(None), "lora": logprobs(request), "vllm": vllm.__version__}
+    Path(args.out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
