@@ -55,6 +55,13 @@ def adapted_linears(shape: str) -> dict[str, tuple[int, int, bool]]:
     }
 
 
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * a @ b`` as ``twinkle_specs.lora.functions.scaled_mm`` runs it (alpha = scale, beta = 0),
+    written out: importing twinkle_specs imports megatron-core, which this probe, torch only, does not need
+    on the device machine (its image has torch, not megatron-core)."""
+    return torch.addmm(a.new_empty(a.shape[0], b.shape[1]), a, b, beta=0, alpha=scale)
+
+
 class Folded:
     """The buffers of one folded linear: weights ``[N + r, K + r]`` and activations ``[T, K + r]`` and
     ``[T, N + r]``, with the unfused path's own tensors beside them (the same values)."""
@@ -80,9 +87,7 @@ class Folded:
 
     def unfused_forward(self) -> torch.Tensor:
         y = self.x @ self.w.t()
-        u = torch.addmm(
-            self.x.new_empty(self.x.shape[0], self.a.shape[0]), self.x, self.a.t(), beta=0, alpha=self.scale
-        )
+        u = _scaled_mm(self.x, self.a.t(), self.scale)
         return y.addmm_(u, self.b.t())
 
     def folded_forward(self) -> torch.Tensor:
@@ -95,9 +100,7 @@ class Folded:
 
     def unfused_dgrad(self) -> torch.Tensor:
         dx = self.dy @ self.w
-        v = torch.addmm(
-            self.dy.new_empty(self.dy.shape[0], self.b.shape[1]), self.dy, self.b, beta=0, alpha=self.scale
-        )
+        v = _scaled_mm(self.dy, self.b, self.scale)
         return dx.addmm_(v, self.a)
 
     def folded_dgrad(self) -> torch.Tensor:

@@ -33,7 +33,6 @@ stage() {
     'bitsandbytes/libbitsandbytes_cuda132.so' 'bitsandbytes/libbitsandbytes_rocm*.so' \
     'bitsandbytes/libbitsandbytes_xpu*.so'
   rm "$wheel"
-  grep -qE '^/?\.gpu/?$' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
   du -sh .gpu/peers .gpu/peers/*
 }
 

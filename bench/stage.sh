@@ -14,6 +14,5 @@ rm -f "$dest"/numpy-*.whl
 # the device machine's copy of the tree has no .git: record the commit and its sources' hash, which the
 # run checks against the tree it measures (bench/provenance.py)
 python3 bench/provenance.py > "$dest/COMMIT"
-grep -qE '^/?\.gpu/?$' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 du -sh "$dest"
 ls "$dest"

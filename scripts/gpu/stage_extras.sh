@@ -5,7 +5,6 @@
 # TE parts p1-p3, r4-r6 and .gpu/raydeps go in a call of their own, then scripts/gpu/install_extras.sh.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
 plat="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 rm -rf .gpu/raydeps .gpu/r[1-6] .gpu/raydl && mkdir -p .gpu/raydeps .gpu/raydl
 # shellcheck disable=SC2086

@@ -32,7 +32,6 @@ stage() {
   done
   sha256sum "$kit/kit.tar" | cut -d' ' -f1 > "$kit/c1/SHA256"
   rm -rf "$kit/dl" "$kit/kit.tar"
-  grep -qE '^/?\.gpu/?$' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
   echo "vLLM kit: $i chunks, carry each: $(cd "$kit" && echo c*)"
 }
 
