@@ -110,22 +110,22 @@ def test_exported_adapter_serves_in_vllm_as_in_peft(case, gpu, tmp_path):
     served = json.loads(out.read_text())
 
     ids = tokens.cuda()
-    ref: dict[str, torch.Tensor] = {}
+    ref: dict[tuple[str, torch.dtype], torch.Tensor] = {}
     for dtype in (torch.float32, torch.bfloat16):
         base = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype).cuda().eval()
-        ref[f"base {dtype}"] = _prompt_logprobs(base, ids)
-        ref[f"lora {dtype}"] = _prompt_logprobs(peft.PeftModel.from_pretrained(base, adapter).eval(), ids)
+        ref["base", dtype] = _prompt_logprobs(base, ids)
+        ref["lora", dtype] = _prompt_logprobs(peft.PeftModel.from_pretrained(base, adapter).eval(), ids)
     stats = {"vllm": served["vllm"]}
     for which in ("base", "lora"):
-        truth = ref[f"{which} {torch.float32}"]
+        truth = ref[which, torch.float32]
         vllm_err = (torch.tensor(served[which], device="cuda") - truth).abs()
-        peft_err = (ref[f"{which} {torch.bfloat16}"] - truth).abs()
+        peft_err = (ref[which, torch.bfloat16] - truth).abs()
         stats[which] = {
             "vllm_mean_abs": vllm_err.mean().item(),
             "vllm_max_abs": vllm_err.max().item(),
             "peft_bf16_mean_abs": peft_err.mean().item(),
         }
-    effect = (ref[f"lora {torch.float32}"] - ref[f"base {torch.float32}"]).abs().mean().item()
+    effect = (ref["lora", torch.float32] - ref["base", torch.float32]).abs().mean().item()
     stats["adapter_effect_mean_abs"] = effect
     EVIDENCE.record(case, **stats)
     for which in ("base", "lora"):
