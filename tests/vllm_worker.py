@@ -30,12 +30,17 @@ def main() -> None:
     args = ap.parse_args()
     # the engine in this process rather than a child of its own: one process to clean up
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # the kit leaves flashinfer out; vLLM's sampler imports it on CUDA unless told not to (greedy, one token)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
     prompts = json.loads(Path(args.tokens).read_text())
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    # a multimodal checkpoint (Qwen3.5) on token-id prompts: its language model only, no vision tower
+    multimodal = "vision_config" in config
     llm = LLM(
         model=args.model,
         dtype="bfloat16",
@@ -48,6 +53,7 @@ def main() -> None:
         gpu_memory_utilization=0.3,
         seed=0,
         **({"enable_mixed_moe_lora_format": True} if args.moe_3d else {}),
+        **({"language_model_only": True} if multimodal else {}),
     )
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
     request = LoRARequest("twinkle", 1, args.adapter, **({"is_3d_lora_weight": True} if args.moe_3d else {}))

@@ -10,7 +10,8 @@
 #                                          tests put it first on the path of vLLM's process only), then an import check
 # The list is vLLM's import closure on Python 3.12 (found by importing vllm, its LoRA manager, the Qwen3 and
 # Qwen3-MoE models and its GPU worker with only these wheels added to torch 2.11); vLLM's optional kernels
-# (flashinfer, tilelang, cutlass-dsl, its own triton 3.9) are left out: with enforce_eager it runs on torch's.
+# (flashinfer, tilelang, cutlass-dsl, its own triton 3.9) are left out: with enforce_eager it runs on torch's,
+# and tests/vllm_worker.py turns its FlashInfer sampler off (VLLM_USE_FLASHINFER_SAMPLER=0).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 kit=.gpu/vllm
