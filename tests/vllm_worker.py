@@ -41,6 +41,9 @@ def main() -> None:
     config = json.loads((Path(args.model) / "config.json").read_text())
     # a multimodal checkpoint (Qwen3.5) on token-id prompts: its language model only, no vision tower
     multimodal = "vision_config" in config
+    # Gated DeltaNet layers: vLLM's own Triton kernels for their prefill (on Hopper it would pick
+    # flashinfer's, which the kit leaves out)
+    gated_delta_net = "linear_num_value_heads" in config.get("text_config", config)
     llm = LLM(
         model=args.model,
         dtype="bfloat16",
@@ -54,6 +57,7 @@ def main() -> None:
         seed=0,
         **({"enable_mixed_moe_lora_format": True} if args.moe_3d else {}),
         **({"language_model_only": True} if multimodal else {}),
+        **({"gdn_prefill_backend": "triton"} if gated_delta_net else {}),
     )
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
     request = LoRARequest("twinkle", 1, args.adapter, **({"is_3d_lora_weight": True} if args.moe_3d else {}))
