@@ -15,6 +15,7 @@ from dist_jobs import DistJobs
 from hybrid_models import VOCAB, hybrid_batch, make_hybrid_checkpoint
 from safetensors.torch import load_file
 from test_lora_parallel import GRAD_TOL, WORKER, add_sharded_jobs, made_once, sharded_dumps
+from test_lora_peft import EXPERT_PROJS, _transformers4_adapter
 from test_lora_support import VOCAB as WORKER_VOCAB
 from test_lora_support import hf_model, randomize_megatron, randomize_peft, tokens
 
@@ -149,6 +150,21 @@ def test_peft_adapter_into_megatron(kind, targets, hybrid, tmp_path, megatron_si
     assert (ref - before).abs().max() > 1e-2, "the adapter does not change the logits: test is vacuous"
     delta = (ours - ref).abs().max().item()
     print(f"{kind} peft->megatron max|Δ| = {delta:.3g}")
+    assert delta <= TOL
+
+
+def test_transformers4_per_expert_adapter_into_qwen3_next(hybrid, tmp_path, megatron_single):
+    """Qwen3-Next's routed experts in the per-expert layout of transformers 4, as peft 0.21 reads them."""
+    hf = hybrid("qwen3_next")
+    adapter = _transformers4_adapter(hf, tmp_path / "adapter", EXPERT_PROJS)
+    inert = _transformers4_adapter(hf, tmp_path / "inert", EXPERT_PROJS, expert_b_scale=0.0)
+    toks = hybrid_batch(s=24)
+    ref = _peft_logits(peft.PeftModel.from_pretrained(hf_model(hf), adapter), toks)
+    assert (ref - _peft_logits(peft.PeftModel.from_pretrained(hf_model(hf), inert), toks)).abs().max() > 1e-2
+    model = ts.build_model(hf, lora=LoraConfig.from_peft(adapter)).eval()
+    load_peft_adapter(model, adapter)
+    delta = (_logits(model, toks) - ref).abs().max().item()
+    print(f"qwen3_next transformers-4 experts max|Δ| = {delta:.3g}")
     assert delta <= TOL
 
 

@@ -39,6 +39,7 @@ from ..weight_map import bind
 from .config import LoraConfig, Sites, pattern_path, slot_path
 from .layers import LoraLayerMixin
 from .model import lora_modules
+from .peft_experts import fuse_per_expert, stack_experts
 from .spec import fused_experts, lora_in_proj
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -194,16 +195,6 @@ def _gather_tp(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _to_peft_experts(per_expert: dict[int, torch.Tensor], which: str, key: str, num: int) -> torch.Tensor:
-    missing = sorted(set(range(num)) - set(per_expert))
-    if missing:
-        raise RuntimeError(f"{key}: experts {missing} were not found on any rank")
-    stacked = torch.stack([per_expert[e] for e in range(num)])  # [E, r, in] or [E, out, r]
-    if which == "A":
-        return stacked.reshape(-1, stacked.shape[-1])
-    return stacked.permute(1, 2, 0).reshape(stacked.shape[1], -1)
-
-
 def gather_peft_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] | None:
     """Every factor (or its gradient) under its PEFT name, full size, on global rank 0 (None elsewhere).
 
@@ -239,7 +230,7 @@ def gather_peft_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] |
         for key, per in rank_experts.items():
             all_experts.setdefault(key, {}).update(per)
     for key, per in all_experts.items():
-        tensors[key] = _to_peft_experts(per, key.split(".")[-2][-1], key, num_experts)
+        tensors[key] = stack_experts(per, key.split(".")[-2][-1], key, num_experts)
     return tensors
 
 
@@ -322,6 +313,7 @@ def _peft_config(lora: LoraConfig, sites: Sites, shared_expert: bool, base: str)
 
 def load_peft_adapter(model, adapter_dir: str | Path) -> None:
     """Loads a PEFT LoRA adapter (made by peft or :func:`export_peft_adapter`) into this rank's factors.
+    Routed experts may also be in the per-expert layout of transformers 4 (:mod:`.peft_experts`).
 
     The model must have been built with the adapter's configuration (``LoraConfig.from_peft(dir)``);
     every tensor of the file must be used and have the shape this base model implies.
@@ -344,13 +336,23 @@ def load_peft_adapter(model, adapter_dir: str | Path) -> None:
         raise FileNotFoundError(f"{path} not found (only safetensors adapters are supported)")
     with safe_open(str(path), framework="pt") as f:
         available = {k.replace(".default.", "."): k for k in f.keys()}
+        # routed experts in transformers 4's per-expert layout: peft's fused tensors, as peft reads them
+        converted: dict[str, torch.Tensor] = {}
+        if fused_experts(model_chunks(model)[0].config):
+            num_experts = qwen_arch_from_hf(_hf_source(model)).num_experts or 0
+
+            def read(key: str) -> torch.Tensor:
+                return f.get_tensor(available[key])
+
+            converted, consumed = fuse_per_expert(available, read, num_experts, path)
+            available = {k: v for k, v in available.items() if k not in consumed} | dict.fromkeys(converted)
         used: set[str] = set()
         for fac in factors(model):
             if fac.key not in available:
                 raise ValueError(
                     f"{path}: tensor {fac.key!r} is missing; was the adapter made for this base model?"
                 )
-            full = f.get_tensor(available[fac.key])
+            full = converted[fac.key] if fac.key in converted else f.get_tensor(available[fac.key])
             value = _slice_for_rank(full, fac, path)
             if tuple(value.shape) != tuple(fac.tensor.shape):
                 raise ValueError(
