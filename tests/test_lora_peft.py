@@ -261,7 +261,13 @@ def test_transformers4_per_expert_adapter_into_megatron(projs, lora_checkpoints,
 
 
 def _drop(fragment: str):
-    return lambda tensors: [tensors.pop(k) for k in [k for k in tensors if fragment in k]]
+    """An ``edit`` removing the tensors whose names hold ``fragment``."""
+
+    def edit(tensors: dict) -> None:
+        for key in [k for k in tensors if fragment in k]:
+            del tensors[key]
+
+    return edit
 
 
 @pytest.mark.parametrize(
@@ -295,10 +301,10 @@ def test_transformers4_per_expert_adapter_errors_name_the_problem(
     single_rank,  # noqa: F811
 ):
     hf = lora_checkpoints("qwen3_moe")
-    projs = ("gate_proj", "up_proj", "down_proj")
-    adapter = _transformers4_adapter(hf, tmp_path / "adapter", projs, edit=edit)
+    adapter = _transformers4_adapter(hf, tmp_path / "adapter", EXPERT_PROJS, edit=edit)
+    targets = ["q_proj", *EXPERT_PROJS]
     model = ts.build_model(
-        hf, lora=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", *projs]), parallel_output=False
+        hf, lora=LoraConfig(r=4, lora_alpha=8, target_modules=targets), parallel_output=False
     )
     with pytest.raises(ValueError, match=match):
         load_peft_adapter(model, adapter)
