@@ -168,6 +168,28 @@ def test_transformers4_per_expert_adapter_into_qwen3_next(hybrid, tmp_path, mega
     assert delta <= TOL
 
 
+def test_transformers4_shared_expert_factors_are_refused_not_dropped(hybrid, tmp_path, megatron_single):
+    """A transformers-4 adapter naming gate_proj also adapted Qwen3-Next's shared expert (peft matched the
+    suffix); on transformers 5 the names mean the routed experts and peft 0.21 drops the shared expert's
+    factors without a warning. twinkle refuses them by name instead."""
+    hf = hybrid("qwen3_next")
+    shared = {
+        name.removesuffix(".weight"): weight.shape
+        for name, weight in hf_model(hf).named_parameters()
+        if ".mlp.shared_expert." in name and name.endswith("_proj.weight")
+    }
+
+    def add_shared(tensors: dict) -> None:
+        for module, (out, fan_in) in shared.items():
+            tensors[f"base_model.model.{module}.lora_A.weight"] = torch.ones(4, fan_in)
+            tensors[f"base_model.model.{module}.lora_B.weight"] = torch.ones(out, 4)
+
+    adapter = _transformers4_adapter(hf, tmp_path / "adapter", EXPERT_PROJS, edit=add_shared)
+    model = ts.build_model(hf, lora=LoraConfig.from_peft(adapter))
+    with pytest.raises(ValueError, match=r"shared_expert.*drops without a warning.*remove the shared_expert"):
+        load_peft_adapter(model, adapter)
+
+
 def _peft_adapter(hf, out, targets) -> None:
     ref_model = peft.get_peft_model(hf_model(hf), peft.LoraConfig(r=4, lora_alpha=16, target_modules=targets))
     randomize_peft(ref_model)

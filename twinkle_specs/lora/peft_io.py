@@ -368,10 +368,15 @@ def load_peft_adapter(model, adapter_dir: str | Path) -> None:
         used = set().union(*everyone)
     unused = sorted(set(available) - used)
     if unused:
-        raise ValueError(
-            f"{path}: tensors {unused[:6]} match no LoRA factor of this model "
-            "(more layers or other targets than the base model has: a different base?)"
-        )
+        why = "more layers or other targets than the base model has: a different base?"
+        if fused_experts(model_chunks(model)[0].config) and any(".mlp.shared_expert." in k for k in unused):
+            why = (
+                "on this model gate_proj/up_proj/down_proj name the routed experts, as in peft 0.21 on "
+                "transformers 5, so an adapter from transformers 4 that also adapted the shared expert has "
+                "factors that peft 0.21 drops without a warning; twinkle does not drop them: remove the "
+                "shared_expert tensors from the file to load the rest as peft does"
+            )
+        raise ValueError(f"{path}: tensors {unused[:6]} match no LoRA factor of this model ({why})")
 
 
 def _describe(sites: Sites, site: str, slot: str) -> str:
