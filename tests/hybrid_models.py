@@ -88,20 +88,21 @@ def make_hybrid_checkpoint(kind: str, out: Path, seed: int = 0, **text) -> Path:
     return out
 
 
+def hf_checkpoint_model(hf_dir: Path, dtype: torch.dtype = torch.float32):
+    """transformers' model of a checkpoint as its config names it, in eval mode: a multimodal Qwen3.5
+    checkpoint loads whole (its vision tower unused by text tokens), the model its PEFT adapters name."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    multimodal = AutoConfig.from_pretrained(hf_dir).architectures[0].endswith("ForConditionalGeneration")
+    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    return auto.from_pretrained(hf_dir, dtype=dtype).eval()
+
+
 def hybrid_hf_logits(hf_dir: Path, tokens: torch.Tensor, device: str = "cpu") -> torch.Tensor:
     """transformers' fp32 logits (the multimodal model on text-only tokens), computed on ``device`` (where
     fla is installed transformers runs its gated delta rule with fla's Triton kernels: CUDA only)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(hf_dir)
-    if config.architectures[0].endswith("ForConditionalGeneration"):
-        from transformers import AutoModelForImageTextToText
-
-        model = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     with torch.no_grad():
-        return model.to(device).eval()(tokens.to(device)).logits.cpu()
+        return hf_checkpoint_model(hf_dir).to(device)(tokens.to(device)).logits.cpu()
 
 
 def hybrid_batch(seed: int = 1, b: int = 2, s: int = SEQ) -> torch.Tensor:

@@ -24,7 +24,7 @@ import pytest
 import torch
 from conftest import free_port, torchrun
 from gpu_checks import Evidence, fp8_available
-from hybrid_models import make_hybrid_checkpoint
+from hybrid_models import hf_checkpoint_model, make_hybrid_checkpoint
 from models import make_checkpoint
 from packaging.version import Version
 
@@ -187,20 +187,10 @@ def micro_batches(iteration: int, dp: int) -> range:
     return range((iteration - 1) * per_iteration, iteration * per_iteration)
 
 
-def hf_model(hf: Path):
-    """transformers' fp32 model of a checkpoint as its config names it: a multimodal Qwen3.5 checkpoint
-    loads whole (its vision tower unused by text tokens), the model its exported adapter names."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    multimodal = AutoConfig.from_pretrained(hf).architectures[0].endswith("ForConditionalGeneration")
-    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
-    return auto.from_pretrained(hf, dtype=torch.float32).eval()
-
-
 def hf_loss(hf: Path, dump_dir: Path, adapter: Path | None = None, only: range | None = None) -> float:
     """transformers' (fp32) mean loss over the dumped micro-batches (those numbered in ``only``), with a
     PEFT ``adapter`` on top when given."""
-    model = hf_model(hf).cuda()
+    model = hf_checkpoint_model(hf).cuda()
     if adapter is not None:
         from peft import PeftModel
 

@@ -111,7 +111,8 @@ def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, tmp_path):
     multimodal checkpoint; Gated DeltaNet layers on packed rows): iteration 1's loss (a zero adapter) is
     transformers' on the same conversations with the answer-only mask; the PEFT adapter exported at
     iteration 3's save gives in peft the loss Megatron logs at iteration 4; and the loss falls."""
-    from test_launch_gpu import hf_model, run_logged, train_flags
+    from hybrid_models import hf_checkpoint_model as hf_model
+    from test_launch_gpu import run_logged, train_flags
 
     if kind.startswith("qwen3_5"):
         hf = make_hybrid_checkpoint(kind, tmp_path / kind, max_position_embeddings=ROW)
@@ -237,8 +238,9 @@ def test_plain_pretrain_gpt_sft_with_megatron_sft_tokenizer(kind, tmp_path):
     Megatron draws: iteration 1's loss (full fine-tune, bf16) equals transformers' fp32 loss on the row's
     conversations run one by one with the row's labels and mask; and the loss falls. Qwen3.5 (the multimodal
     checkpoint): its Gated DeltaNet layers restart at each conversation of megatron's packed row."""
+    from hybrid_models import hf_checkpoint_model as hf_model
     from test_launch_gpu import LOSS_RTOL as STEP_RTOL
-    from test_launch_gpu import ROOT, hf_model, run_logged, twinkle_cli
+    from test_launch_gpu import ROOT, run_logged, twinkle_cli
 
     from twinkle_specs import megatron_args_from_hf
 

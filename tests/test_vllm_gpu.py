@@ -28,7 +28,7 @@ import models
 import pytest
 import torch
 from gpu_checks import Evidence
-from hybrid_models import HYBRID_KINDS, make_hybrid_checkpoint
+from hybrid_models import HYBRID_KINDS, hf_checkpoint_model, make_hybrid_checkpoint
 from test_lora_support import randomize_megatron
 
 pytestmark = [
@@ -104,7 +104,6 @@ def test_exported_adapter_serves_in_vllm_as_in_peft(case, gpu, tmp_path):
             f"needs vLLM: bash scripts/gpu/vllm_kit.sh stage (here) and install (there), or set TWINKLE_VLLM_KIT (not at {VLLM_KIT})"
         )
     import peft
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     import twinkle_specs as ts
 
@@ -133,10 +132,9 @@ def test_exported_adapter_serves_in_vllm_as_in_peft(case, gpu, tmp_path):
     served = json.loads(out.read_text())
 
     ids = tokens.cuda()
-    auto = AutoModelForImageTextToText if kind == "qwen3_5_vl" else AutoModelForCausalLM
     ref: dict[tuple[str, torch.dtype], torch.Tensor] = {}
     for dtype in (torch.float32, torch.bfloat16):
-        base = auto.from_pretrained(hf, dtype=dtype).cuda().eval()
+        base = hf_checkpoint_model(hf, dtype).cuda()
         ref["base", dtype] = _prompt_logprobs(base, ids)
         ref["lora", dtype] = _prompt_logprobs(peft.PeftModel.from_pretrained(base, adapter).eval(), ids)
     stats = {"vllm": served["vllm"]}
