@@ -40,63 +40,62 @@ def fuse_per_expert(
     """The fused tensors, under peft's names, of every per-expert key among ``keys`` (``read`` gives a key's
     tensor) for a model of ``num_experts`` routed experts, and the keys they were made from; nothing where
     the adapter has no per-expert keys."""
-    found: dict[str, dict[str, dict[int, dict[str, str]]]] = {}  # module -> proj -> expert -> which -> key
+    found: dict[str, dict[tuple[str, int, str], str]] = {}  # module -> (projection, expert, A/B) -> key
     for key in keys:
         m = PER_EXPERT.match(key)
         if m:
-            found.setdefault(m["module"], {}).setdefault(m["proj"], {}).setdefault(int(m["expert"]), {})[
-                m["which"]
-            ] = key
+            found.setdefault(m["module"], {})[m["proj"], int(m["expert"]), m["which"]] = key
+    experts = range(num_experts)
     fused: dict[str, torch.Tensor] = {}
-    used: set[str] = set()
-    for module, projs in sorted(found.items()):
+    for module, named in sorted(found.items()):
+        projs = {proj for proj, _, _ in named}
         if ("gate_proj" in projs) != ("up_proj" in projs):
             have, lack = ("gate_proj", "up_proj") if "gate_proj" in projs else ("up_proj", "gate_proj")
             raise ValueError(
                 f"{where}: {module} has {have} adapters but no {lack}; transformers 5 fuses the two into "
                 "gate_up_proj, so they are adapted together (as peft requires)"
             )
-        experts = range(num_experts)
-        extra = sorted({e for per in projs.values() for e in per} - set(experts))
+        present = {e for _, e, _ in named}
+        extra = sorted(present - set(experts))
         if extra:
             raise ValueError(
                 f"{where}: {module} has adapters for experts {extra[:8]}, the base model {num_experts} experts "
                 f"(0 to {num_experts - 1}): was the adapter made for this base model?"
             )
-        missing = [e for e in experts if not any(e in per for per in projs.values())]
-        incomplete = [
+        missing = [f"expert {e}" for e in experts if e not in present]
+        missing += [
             f"{proj} expert {e} lora_{w}"
-            for proj, per in projs.items()
-            for e in experts
-            if e not in missing
+            for proj in sorted(projs)
+            for e in sorted(present)
             for w in "AB"
-            if w not in per.get(e, {})
+            if (proj, e, w) not in named
         ]
-        if missing or incomplete:
+        if missing:
             raise ValueError(
-                f"{where}: {module}'s per-expert adapters are incomplete "
-                f"({', '.join([f'expert {e}' for e in missing] + incomplete)[:300]}): every expert needs "
-                "lora_A and lora_B of each adapted projection"
+                f"{where}: {module}'s per-expert adapters are incomplete ({', '.join(missing)[:300]}): every "
+                "expert needs lora_A and lora_B of each adapted projection"
             )
-        num = num_experts
-        prefix = f"{module}.base_layer" if "down_proj" in projs and "gate_proj" in projs else module
+
+        def factor(proj: str, which: str, named=named) -> dict[int, torch.Tensor]:
+            return {e: read(named[proj, e, which]) for e in experts}
+
+        prefix = f"{module}.base_layer" if projs == {"gate_proj", "up_proj", "down_proj"} else module
         try:
             if "gate_proj" in projs:
-                gate, up = projs["gate_proj"], projs["up_proj"]
-                a = {e: torch.cat([read(gate[e]["A"]), read(up[e]["A"])]) for e in experts}
-                b = {e: torch.block_diag(read(gate[e]["B"]), read(up[e]["B"])) for e in experts}
-                fused[f"{prefix}.lora_A.weight"] = stack_experts(a, "A", module, num)
-                fused[f"{prefix}.lora_B.weight"] = stack_experts(b, "B", module, num)
+                gate_a, up_a = factor("gate_proj", "A"), factor("up_proj", "A")
+                gate_b, up_b = factor("gate_proj", "B"), factor("up_proj", "B")
+                a = {e: torch.cat([gate_a[e], up_a[e]]) for e in experts}
+                b = {e: torch.block_diag(gate_b[e], up_b[e]) for e in experts}
+                fused[f"{prefix}.lora_A.weight"] = stack_experts(a, "A", module, num_experts)
+                fused[f"{prefix}.lora_B.weight"] = stack_experts(b, "B", module, num_experts)
             if "down_proj" in projs:
-                down = projs["down_proj"]
                 for w in "AB":
                     fused[f"{module}.lora_{w}.weight"] = stack_experts(
-                        {e: read(down[e][w]) for e in experts}, w, module, num
+                        factor("down_proj", w), w, module, num_experts
                     )
         except RuntimeError as err:  # torch's cat/stack on experts of unequal shapes
             raise ValueError(
                 f"{where}: {module}'s per-expert adapters do not fit together (gate and up of one rank, "
                 f"every expert of one shape): {err}"
             ) from err
-        used |= {k for per in projs.values() for factors in per.values() for k in factors.values()}
-    return fused, used
+    return fused, {key for named in found.values() for key in named.values()}

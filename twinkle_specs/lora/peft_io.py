@@ -334,17 +334,18 @@ def load_peft_adapter(model, adapter_dir: str | Path) -> None:
     path = adapter_dir / ADAPTER_WEIGHTS
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found (only safetensors adapters are supported)")
+    config = model_chunks(model)[0].config
+    fused = fused_experts(config)  # peft's v4 MLP names mean the routed experts
     with safe_open(str(path), framework="pt") as f:
         available = {k.replace(".default.", "."): k for k in f.keys()}
         # routed experts in transformers 4's per-expert layout: peft's fused tensors, as peft reads them
         converted: dict[str, torch.Tensor] = {}
-        if fused_experts(model_chunks(model)[0].config):
-            num_experts = qwen_arch_from_hf(_hf_source(model)).num_experts or 0
+        if fused:
 
             def read(key: str) -> torch.Tensor:
                 return f.get_tensor(available[key])
 
-            converted, consumed = fuse_per_expert(available, read, num_experts, path)
+            converted, consumed = fuse_per_expert(available, read, config.num_moe_experts, path)
             available = {k: v for k, v in available.items() if k not in consumed} | dict.fromkeys(converted)
         used: set[str] = set()
         for fac in factors(model):
@@ -369,7 +370,7 @@ def load_peft_adapter(model, adapter_dir: str | Path) -> None:
     unused = sorted(set(available) - used)
     if unused:
         why = "more layers or other targets than the base model has: a different base?"
-        if fused_experts(model_chunks(model)[0].config) and any(".mlp.shared_expert." in k for k in unused):
+        if fused and any(".mlp.shared_expert." in k for k in unused):
             why = (
                 "on this model gate_proj/up_proj/down_proj name the routed experts, as in peft 0.21 on "
                 "transformers 5, so an adapter from transformers 4 that also adapted the shared expert has "
