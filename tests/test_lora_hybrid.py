@@ -15,9 +15,15 @@ from dist_jobs import DistJobs
 from hybrid_models import VOCAB, hybrid_batch, make_hybrid_checkpoint
 from safetensors.torch import load_file
 from test_lora_parallel import GRAD_TOL, WORKER, add_sharded_jobs, made_once, sharded_dumps
-from test_lora_peft import EXPERT_PROJS, _transformers4_adapter
+from test_lora_support import (
+    EXPERT_PROJS,
+    hf_model,
+    randomize_megatron,
+    randomize_peft,
+    tokens,
+    transformers4_adapter,
+)
 from test_lora_support import VOCAB as WORKER_VOCAB
-from test_lora_support import hf_model, randomize_megatron, randomize_peft, tokens
 
 import twinkle_specs as ts
 from twinkle_specs import LoraConfig, export_peft_adapter, load_peft_adapter
@@ -156,8 +162,8 @@ def test_peft_adapter_into_megatron(kind, targets, hybrid, tmp_path, megatron_si
 def test_transformers4_per_expert_adapter_into_qwen3_next(hybrid, tmp_path, megatron_single):
     """Qwen3-Next's routed experts in the per-expert layout of transformers 4, as peft 0.21 reads them."""
     hf = hybrid("qwen3_next")
-    adapter = _transformers4_adapter(hf, tmp_path / "adapter", EXPERT_PROJS)
-    inert = _transformers4_adapter(hf, tmp_path / "inert", EXPERT_PROJS, expert_b_scale=0.0)
+    adapter = transformers4_adapter(hf, tmp_path / "adapter", EXPERT_PROJS)
+    inert = transformers4_adapter(hf, tmp_path / "inert", EXPERT_PROJS, expert_b_scale=0.0)
     toks = hybrid_batch(s=24)
     ref = _peft_logits(peft.PeftModel.from_pretrained(hf_model(hf), adapter), toks)
     assert (ref - _peft_logits(peft.PeftModel.from_pretrained(hf_model(hf), inert), toks)).abs().max() > 1e-2
@@ -184,7 +190,7 @@ def test_transformers4_shared_expert_factors_are_refused_not_dropped(hybrid, tmp
             tensors[f"base_model.model.{module}.lora_A.weight"] = torch.ones(4, fan_in)
             tensors[f"base_model.model.{module}.lora_B.weight"] = torch.ones(out, 4)
 
-    adapter = _transformers4_adapter(hf, tmp_path / "adapter", EXPERT_PROJS, edit=add_shared)
+    adapter = transformers4_adapter(hf, tmp_path / "adapter", EXPERT_PROJS, edit=add_shared)
     model = ts.build_model(hf, lora=LoraConfig.from_peft(adapter))
     with pytest.raises(ValueError, match=r"shared_expert.*drops without a warning.*remove the shared_expert"):
         load_peft_adapter(model, adapter)

@@ -4,19 +4,20 @@ and the errors for bad targets and mismatched adapters."""
 from __future__ import annotations
 
 import json
-import zlib
 
 import peft
 import pytest
 import torch
 from conftest import cpu_reference
 from test_lora_support import (
+    EXPERT_PROJS,
     hf_model,
     megatron_logits,
     randomize_megatron,
     randomize_peft,
     single_rank,  # noqa: F401  (fixture)
     tokens,
+    transformers4_adapter,
 )
 
 import twinkle_specs as ts
@@ -197,44 +198,6 @@ def test_patterns_selecting_some_layers_are_refused(
         load_peft_adapter(model, tmp_path)
 
 
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
-
-
-def _transformers4_adapter(hf, out, projs, r=4, alpha=8, expert_b_scale=0.1, edit=None):
-    """A random adapter in the layout transformers 4 + peft saved for Qwen3-MoE, where each routed expert was
-    its own gate_proj / up_proj / down_proj linear (``...mlp.experts.<e>.gate_proj.lora_A.weight``), with
-    q_proj beside them. Each tensor's values follow from its name alone; ``expert_b_scale`` scales the
-    experts' B (0: their adapters do nothing), ``edit`` changes the tensors before they are written."""
-    from safetensors.torch import save_file
-
-    def rand(key: str, *shape: int, std: float = 0.1) -> torch.Tensor:
-        return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(key.encode()))) * std
-
-    tensors = {}
-    for name, weight in hf_model(hf).named_parameters():
-        if name.endswith("self_attn.q_proj.weight"):
-            module = f"base_model.model.{name.removesuffix('.weight')}"
-            tensors[f"{module}.lora_A.weight"] = rand(f"{module}.A", r, weight.shape[1])
-            tensors[f"{module}.lora_B.weight"] = rand(f"{module}.B", weight.shape[0], r)
-        if name.endswith("mlp.experts.gate_up_proj"):
-            experts, width, hidden = weight.shape
-            sizes = {"gate_proj": (hidden, width // 2), "up_proj": (hidden, width // 2)}
-            sizes["down_proj"] = (width // 2, hidden)
-            for e in range(experts):
-                for proj in projs:
-                    module = f"base_model.model.{name.removesuffix('gate_up_proj')}{e}.{proj}"
-                    fan_in, fan_out = sizes[proj]
-                    tensors[f"{module}.lora_A.weight"] = rand(f"{module}.A", r, fan_in)
-                    tensors[f"{module}.lora_B.weight"] = rand(f"{module}.B", fan_out, r, std=expert_b_scale)
-    if edit:
-        edit(tensors)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "adapter_model.safetensors")
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=["q_proj", *projs], task_type="CAUSAL_LM")
-    config.save_pretrained(out)
-    return out
-
-
 @pytest.mark.parametrize("projs", [EXPERT_PROJS, ("gate_proj", "up_proj"), ("down_proj",)], ids="-".join)
 def test_transformers4_per_expert_adapter_into_megatron(projs, lora_checkpoints, tmp_path, single_rank):  # noqa: F811
     """An adapter trained when Qwen3-MoE's experts were separate linears loads as peft 0.21 loads it on
@@ -242,12 +205,12 @@ def test_transformers4_per_expert_adapter_into_megatron(projs, lora_checkpoints,
     and up converted without down (it nests them as if down were there, warns of missing keys and applies
     nothing), so that case's reference is the adapter with down as well, down's B zero."""
     hf = lora_checkpoints("qwen3_moe")
-    adapter = _transformers4_adapter(hf, tmp_path / "adapter", projs)
+    adapter = transformers4_adapter(hf, tmp_path / "adapter", projs)
     reference = adapter
     if "gate_proj" in projs and "down_proj" not in projs:
         zero_down = lambda t: t.update({k: v * 0 for k, v in t.items() if "down_proj.lora_B" in k})  # noqa: E731
-        reference = _transformers4_adapter(hf, tmp_path / "reference", EXPERT_PROJS, edit=zero_down)
-    inert = _transformers4_adapter(hf, tmp_path / "inert", EXPERT_PROJS, expert_b_scale=0.0)
+        reference = transformers4_adapter(hf, tmp_path / "reference", EXPERT_PROJS, edit=zero_down)
+    inert = transformers4_adapter(hf, tmp_path / "inert", EXPERT_PROJS, expert_b_scale=0.0)
     toks = tokens()
     with torch.no_grad():
         ref = peft.PeftModel.from_pretrained(hf_model(hf), reference).eval()(toks).logits
@@ -301,7 +264,7 @@ def test_transformers4_per_expert_adapter_errors_name_the_problem(
     single_rank,  # noqa: F811
 ):
     hf = lora_checkpoints("qwen3_moe")
-    adapter = _transformers4_adapter(hf, tmp_path / "adapter", EXPERT_PROJS, edit=edit)
+    adapter = transformers4_adapter(hf, tmp_path / "adapter", EXPERT_PROJS, edit=edit)
     targets = ["q_proj", *EXPERT_PROJS]
     model = ts.build_model(
         hf, lora=LoraConfig(r=4, lora_alpha=8, target_modules=targets), parallel_output=False

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import models
@@ -123,3 +124,42 @@ class CountingKernel:
     def __getitem__(self, grid):
         self.launches += 1
         return self.kernel[grid]
+
+
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def transformers4_adapter(hf, out, projs, r=4, alpha=8, expert_b_scale=0.1, edit=None):
+    """A random adapter in the layout transformers 4 + peft saved for Qwen3-MoE, where each routed expert was
+    its own gate_proj / up_proj / down_proj linear (``...mlp.experts.<e>.gate_proj.lora_A.weight``), with
+    q_proj beside them. Each tensor's values follow from its name alone; ``expert_b_scale`` scales the
+    experts' B (0: their adapters do nothing), ``edit`` changes the tensors before they are written."""
+    import peft
+    from safetensors.torch import save_file
+
+    def rand(key: str, *shape: int, std: float = 0.1) -> torch.Tensor:
+        return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(key.encode()))) * std
+
+    tensors = {}
+    for name, weight in hf_model(hf).named_parameters():
+        if name.endswith("self_attn.q_proj.weight"):
+            module = f"base_model.model.{name.removesuffix('.weight')}"
+            tensors[f"{module}.lora_A.weight"] = rand(f"{module}.A", r, weight.shape[1])
+            tensors[f"{module}.lora_B.weight"] = rand(f"{module}.B", weight.shape[0], r)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            experts, width, hidden = weight.shape
+            sizes = {"gate_proj": (hidden, width // 2), "up_proj": (hidden, width // 2)}
+            sizes["down_proj"] = (width // 2, hidden)
+            for e in range(experts):
+                for proj in projs:
+                    module = f"base_model.model.{name.removesuffix('gate_up_proj')}{e}.{proj}"
+                    fan_in, fan_out = sizes[proj]
+                    tensors[f"{module}.lora_A.weight"] = rand(f"{module}.A", r, fan_in)
+                    tensors[f"{module}.lora_B.weight"] = rand(f"{module}.B", fan_out, r, std=expert_b_scale)
+    if edit:
+        edit(tensors)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors")
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=["q_proj", *projs], task_type="CAUSAL_LM")
+    config.save_pretrained(out)
+    return out
