@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3NextConfig
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
-from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
 
 VOCAB = 250
 SEQ = 80  # more than one 64-token chunk of the chunked delta rule, not a multiple of it
@@ -50,24 +50,30 @@ _VISION = dict(
 )
 
 HYBRID_KINDS = {
-    "qwen3_next": lambda text: Qwen3NextConfig(**text, **_MOE, intermediate_size=40, norm_topk_prob=True),
+    "qwen3_next": lambda text: Qwen3NextConfig(**_MOE | text, intermediate_size=40, norm_topk_prob=True),
     "qwen3_5": lambda text: Qwen3_5TextConfig(**text, intermediate_size=40),
-    "qwen3_5_moe": lambda text: Qwen3_5MoeTextConfig(**text, **_MOE),
+    "qwen3_5_moe": lambda text: Qwen3_5MoeTextConfig(**_MOE | text),
     "qwen3_5_vl": lambda text: Qwen3_5Config(
         text_config=text | dict(intermediate_size=40), vision_config=dict(_VISION)
     ),
+    "qwen3_5_moe_vl": lambda text: Qwen3_5MoeConfig(text_config=_MOE | text, vision_config=dict(_VISION)),
+}
+# the multimodal checkpoints (as Qwen3.5 and Qwen3.5-MoE are released): their transformers class
+_MULTIMODAL = {
+    "qwen3_5_vl": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_vl": "Qwen3_5MoeForConditionalGeneration",
 }
 
 
 def make_hybrid_checkpoint(kind: str, out: Path, seed: int = 0, **text) -> Path:
     """Saves a random tiny model of ``kind`` (``text``: language-model config fields to change, e.g. a
-    larger vocabulary for a tokenizer), its weights scaled so that a misplaced tensor shows."""
+    larger vocabulary for a tokenizer or the MoE's sizes), its weights scaled so that a misplaced tensor shows."""
     torch.manual_seed(seed)
     config = HYBRID_KINDS[kind](copy.deepcopy(_TEXT) | text)
-    if kind == "qwen3_5_vl":
-        from transformers import Qwen3_5ForConditionalGeneration
+    if kind in _MULTIMODAL:
+        import transformers
 
-        model = Qwen3_5ForConditionalGeneration(config)
+        model = getattr(transformers, _MULTIMODAL[kind])(config)
     else:
         model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """twinkle's PEFT adapters served by vLLM (GPU): an adapter exported from the Transformer Engine model loads in
 vLLM, and vLLM's prompt log-probabilities with it are transformers + peft's on the same adapter: dense Qwen3
-with every linear adapted, and Qwen3-MoE with attention and the routed experts (peft's ``target_parameters``
-layout, which vLLM takes with ``enable_mixed_moe_lora_format``, see tests/vllm_worker.py).
+and Qwen3.5 with every linear adapted, and Qwen3-MoE, Qwen3.5-MoE and Qwen3-Next with attention and the routed
+experts (peft's ``target_parameters`` layout, which vLLM's Qwen3.5-MoE reads as written and its Qwen3-MoE and
+Qwen3-Next with ``enable_mixed_moe_lora_format``, see tests/vllm_worker.py).
 
 bf16 rounds differently in each engine, so both are judged against the fp32 truth (transformers + peft in
 fp32): vLLM's mean error must stay within ``VLLM_ERROR_RATIO`` of transformers + peft's own bf16 run's, with
@@ -58,24 +59,36 @@ MOE_TARGETS = dict(
     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
 )
 MOE = dict(intermediate_size=512, moe_intermediate_size=128, num_experts=4)
+# Gated DeltaNet layers (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj in Qwen3.5; in_proj_qkvz,
+# in_proj_ba, out_proj in Qwen3-Next), which vLLM packs into in_proj_qkvz and in_proj_ba, beside gated full
+# attention (tests/hybrid_models.py's layer pattern)
+HYBRID = dict(
+    num_hidden_layers=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+)
+# every expert routed: no routing choice can flip between the engines' bf16 and the fp32 truth
+HYBRID_MOE = HYBRID | dict(
+    moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=4
+)
+# case: (checkpoint kind, its sizes, the adapter's targets, whether vLLM needs its mixed MoE LoRA format
+# options for the routed experts: models whose vLLM class lacks is_3d_moe_weight, see tests/vllm_worker.py)
 CASES = {
-    "qwen3-all-linear": ("qwen3", dict(intermediate_size=512), dict(target_modules="all-linear")),
-    "qwen3_moe-attention-experts": ("qwen3_moe", MOE | dict(num_experts_per_tok=2), MOE_TARGETS),
-    "qwen3_moe-attention-experts-all-routed": ("qwen3_moe", MOE | dict(num_experts_per_tok=4), MOE_TARGETS),
-    # Gated DeltaNet layers (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj), which vLLM packs into
-    # in_proj_qkvz and in_proj_ba, beside full attention (tests/hybrid_models.py's layer pattern); the
-    # multimodal checkpoint, as Qwen3.5 is released and as vLLM serves it (its text-only class is unregistered)
-    "qwen3_5-all-linear": (
-        "qwen3_5_vl",
-        dict(
-            num_hidden_layers=4,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=64,
-            linear_value_head_dim=64,
-        ),
-        dict(target_modules="all-linear"),
+    "qwen3-all-linear": ("qwen3", dict(intermediate_size=512), dict(target_modules="all-linear"), False),
+    "qwen3_moe-attention-experts": ("qwen3_moe", MOE | dict(num_experts_per_tok=2), MOE_TARGETS, True),
+    "qwen3_moe-attention-experts-all-routed": (
+        "qwen3_moe",
+        MOE | dict(num_experts_per_tok=4),
+        MOE_TARGETS,
+        True,
     ),
+    # the multimodal checkpoints, as Qwen3.5 and Qwen3.5-MoE are released and as vLLM serves them (their
+    # text-only classes are unregistered there); vLLM's Qwen3.5-MoE reads peft's fused expert layout as is
+    "qwen3_5-all-linear": ("qwen3_5_vl", HYBRID, dict(target_modules="all-linear"), False),
+    "qwen3_5_moe-attention-experts-all-routed": ("qwen3_5_moe_vl", HYBRID_MOE, MOE_TARGETS, False),
+    "qwen3_next-attention-experts-all-routed": ("qwen3_next", HYBRID_MOE, MOE_TARGETS, True),
 }
 
 
@@ -107,7 +120,7 @@ def test_exported_adapter_serves_in_vllm_as_in_peft(case, gpu, tmp_path):
 
     import twinkle_specs as ts
 
-    kind, size, targets = CASES[case]
+    kind, size, targets, mixed_moe_format = CASES[case]
     if kind in HYBRID_KINDS:
         hf = make_hybrid_checkpoint(kind, tmp_path / "hf", **SIZE | size)
     else:
@@ -126,7 +139,7 @@ def test_exported_adapter_serves_in_vllm_as_in_peft(case, gpu, tmp_path):
     out = tmp_path / "vllm.json"
     cmd = [sys.executable, str(WORKER), "--model", str(hf), "--adapter", str(adapter), "--rank", str(RANK)]
     cmd += ["--tokens", str(tmp_path / "tokens.json"), "--out", str(out)]
-    cmd += ["--moe-3d"] if "target_parameters" in targets else []
+    cmd += ["--moe-3d"] if mixed_moe_format else []
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     served = json.loads(out.read_text())

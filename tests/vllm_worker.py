@@ -7,8 +7,9 @@ path, see scripts/gpu/vllm_kit.sh), so neither leaks into the test's process.
 
 ``--moe-3d``: the adapter adapts the routed experts in peft's ``target_parameters`` layout (one fused
 ``gate_up_proj`` and ``down_proj`` per layer). vLLM 0.26 reads that layout by the model's ``is_3d_moe_weight``
-flag, which its Qwen3-MoE lacks (its fallback splits gate and up as GPT-OSS interleaves them); the engine's
-``enable_mixed_moe_lora_format`` with the request's ``is_3d_lora_weight`` takes it as peft wrote it.
+flag, which its Qwen3-MoE and Qwen3-Next lack (their fallback splits gate and up as GPT-OSS interleaves
+them); the engine's ``enable_mixed_moe_lora_format`` with the request's ``is_3d_lora_weight`` takes it as peft
+wrote it. Its Qwen3.5-MoE has the flag and needs neither.
 """
 
 from __future__ import annotations
