@@ -11,7 +11,7 @@ import copy
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen3NextConfig
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Qwen3NextConfig
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
 
@@ -58,11 +58,6 @@ HYBRID_KINDS = {
     ),
     "qwen3_5_moe_vl": lambda text: Qwen3_5MoeConfig(text_config=_MOE | text, vision_config=dict(_VISION)),
 }
-# the multimodal checkpoints (as Qwen3.5 and Qwen3.5-MoE are released): their transformers class
-_MULTIMODAL = {
-    "qwen3_5_vl": "Qwen3_5ForConditionalGeneration",
-    "qwen3_5_moe_vl": "Qwen3_5MoeForConditionalGeneration",
-}
 
 
 def make_hybrid_checkpoint(kind: str, out: Path, seed: int = 0, **text) -> Path:
@@ -70,12 +65,9 @@ def make_hybrid_checkpoint(kind: str, out: Path, seed: int = 0, **text) -> Path:
     larger vocabulary for a tokenizer or the MoE's sizes), its weights scaled so that a misplaced tensor shows."""
     torch.manual_seed(seed)
     config = HYBRID_KINDS[kind](copy.deepcopy(_TEXT) | text)
-    if kind in _MULTIMODAL:
-        import transformers
-
-        model = getattr(transformers, _MULTIMODAL[kind])(config)
-    else:
-        model = AutoModelForCausalLM.from_config(config)
+    # the multimodal checkpoints, as Qwen3.5 and Qwen3.5-MoE are released, with their vision tower
+    multimodal = getattr(config, "vision_config", None) is not None
+    model = (AutoModelForImageTextToText if multimodal else AutoModelForCausalLM).from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "linear_attn.norm" in name:  # transformers' RMSNormGated: x * w
@@ -97,7 +89,7 @@ def make_hybrid_checkpoint(kind: str, out: Path, seed: int = 0, **text) -> Path:
 def hf_checkpoint_model(hf_dir: Path, dtype: torch.dtype = torch.float32):
     """transformers' model of a checkpoint as its config names it, in eval mode: a multimodal Qwen3.5
     checkpoint loads whole (its vision tower unused by text tokens), the model its PEFT adapters name."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     multimodal = AutoConfig.from_pretrained(hf_dir).architectures[0].endswith("ForConditionalGeneration")
     auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM

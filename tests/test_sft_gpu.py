@@ -19,7 +19,7 @@ import torch
 from chat_data import answer_loss, conversations, pack, save_tokenizer
 from conftest import torchrun
 from gpu_checks import Evidence
-from hybrid_models import make_hybrid_checkpoint
+from hybrid_models import hf_checkpoint_model, make_hybrid_checkpoint
 from models import make_checkpoint
 from test_sft import ROW, TARGETS, _packed_params, _with_system
 
@@ -111,7 +111,6 @@ def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, tmp_path):
     multimodal checkpoint; Gated DeltaNet layers on packed rows): iteration 1's loss (a zero adapter) is
     transformers' on the same conversations with the answer-only mask; the PEFT adapter exported at
     iteration 3's save gives in peft the loss Megatron logs at iteration 4; and the loss falls."""
-    from hybrid_models import hf_checkpoint_model as hf_model
     from test_launch_gpu import run_logged, train_flags
 
     if kind.startswith("qwen3_5"):
@@ -159,7 +158,7 @@ def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, tmp_path):
     assert sorted(losses) == list(range(1, 7)), log[-3000:]
 
     def transformers_loss(adapter, micro_batches) -> float:
-        model = hf_model(hf).cuda()
+        model = hf_checkpoint_model(hf).cuda()
         if adapter is not None:
             from peft import PeftModel
 
@@ -238,7 +237,6 @@ def test_plain_pretrain_gpt_sft_with_megatron_sft_tokenizer(kind, tmp_path):
     Megatron draws: iteration 1's loss (full fine-tune, bf16) equals transformers' fp32 loss on the row's
     conversations run one by one with the row's labels and mask; and the loss falls. Qwen3.5 (the multimodal
     checkpoint): its Gated DeltaNet layers restart at each conversation of megatron's packed row."""
-    from hybrid_models import hf_checkpoint_model as hf_model
     from test_launch_gpu import LOSS_RTOL as STEP_RTOL
     from test_launch_gpu import ROOT, run_logged, twinkle_cli
 
@@ -288,7 +286,7 @@ def test_plain_pretrain_gpt_sft_with_megatron_sft_tokenizer(kind, tmp_path):
     row = _megatron_sft_row(hf, line, ROW)
     cu = row["cu_seqlens"][row["cu_seqlens"] < ROW].tolist() + [ROW]  # the padded table ends in repeats
     assert len(cu) > 3, cu  # several conversations in the row
-    model = hf_model(hf).cuda()
+    model = hf_checkpoint_model(hf).cuda()
     total, count = 0.0, 0.0
     with torch.no_grad():
         for a, e in zip(cu[:-1], cu[1:], strict=True):  # each conversation alone, the row's labels
