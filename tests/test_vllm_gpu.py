@@ -140,8 +140,10 @@ def test_exported_adapter_serves_in_vllm_as_in_peft(case, gpu, tmp_path):
     cmd = [sys.executable, str(WORKER), "--model", str(hf), "--adapter", str(adapter), "--rank", str(RANK)]
     cmd += ["--tokens", str(tmp_path / "tokens.json"), "--out", str(out)]
     cmd += ["--moe-3d"] if mixed_moe_format else []
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    log = tmp_path / "vllm.log"  # vLLM's own output, kept where the test's tmp_path is kept
+    with log.open("w") as sink:
+        proc = subprocess.run(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=900)
+    assert proc.returncode == 0, f"the vLLM worker failed ({log}):\n" + log.read_text()[-6000:]
     served = json.loads(out.read_text())
 
     ids = tokens.cuda()

@@ -3,7 +3,7 @@ process of its own: vLLM takes the GPU for its engine and comes from its own kit
 path, see scripts/gpu/vllm_kit.sh), so neither leaks into the test's process.
 
     python tests/vllm_worker.py --model HF_DIR --adapter ADAPTER_DIR --rank R --tokens T.json --out O.json
-        [--moe-3d]
+        [--moe-3d] [--watchdog S]
 
 ``--moe-3d``: the adapter adapts the routed experts in peft's ``target_parameters`` layout (one fused
 ``gate_up_proj`` and ``down_proj`` per layer). vLLM 0.26 reads that layout by the model's ``is_3d_moe_weight``
@@ -15,6 +15,7 @@ wrote it. Its Qwen3.5-MoE has the flag and needs neither.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 from pathlib import Path
@@ -28,7 +29,14 @@ def main() -> None:
     ap.add_argument("--tokens", required=True, help="JSON: a list of prompts, each a list of token ids")
     ap.add_argument("--out", required=True)
     ap.add_argument("--moe-3d", action="store_true")
+    ap.add_argument(
+        "--watchdog",
+        type=float,
+        default=360.0,
+        help="seconds after which every thread's stack goes to stderr and the process exits (a hang shows where)",
+    )
     args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)
     # the engine in this process rather than a child of its own: one process to clean up
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # the kit leaves flashinfer out; vLLM's sampler imports it on CUDA unless told not to (greedy, one token)
