@@ -8,11 +8,13 @@
 #   bash scripts/gpu/lanes.sh 480 "0|tests/test_patches_gpu.py tests/test_convert.py" "1|tests/test_sft_gpu.py"
 #   bash scripts/gpu/lanes.sh 300 "0,1|tests/test_launch_gpu.py -k two_gpus"
 # Lanes start together: give them distinct GPUs. Each has its own PYTEST_XDIST_WORKER, so the launch tests'
-# rendezvous ports come from distinct blocks. "rc 124" is a lane its limit stopped: the test then running and
-# those after it did not finish (they did not fail). Leave a call's limit some seconds above LIMIT_S.
+# rendezvous ports come from distinct blocks. A vLLM lane (tests/test_vllm_gpu.py) needs a GPU no other lane
+# uses: vLLM's start-up refuses to run while another process frees GPU memory. "rc 124" is a lane its limit
+# stopped: the test then running and those after it did not finish (they did not fail). Leave a call's limit
+# some seconds above LIMIT_S.
 set -uo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,12p' "$0" >&2
+  sed -n '2,14p' "$0" >&2
   exit 2
 fi
 # shellcheck disable=SC1091  # written on the device machine by ../shared/gpu/install.sh
