@@ -30,6 +30,10 @@ REPO = Path(__file__).resolve().parents[2]
 SBATCH_SCRIPT = REPO / "launch" / "slurm" / "train.sbatch"
 DIST_CHECK = Path(__file__).resolve().parent / "dist_check.py"
 TORCHRUN = f"{sys.executable} -m torch.distributed.run"
+# How long a job credential stays valid (Slurm's default 120 s), which is also how long a requeued job waits
+# before it starts again. 5 s was too short on a loaded 2-core machine: srun reached slurmd 6.5 s after the
+# requeued job's step credential was made, and slurmd refused it as expired.
+CRED_EXPIRE_S = 15
 
 
 def _plugin_exists(name: str) -> bool:
@@ -125,7 +129,7 @@ def _write_conf(root: Path, auth_lines: list[str]) -> Path:
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
         "SchedulerType=sched/backfill",
-        # A requeued job waits cred_expire (default 120 s) before it may start; the scheduler runs every 2 s.
+        # A requeued job waits cred_expire (CRED_EXPIRE_S here) before it may start; the scheduler runs every 2 s.
         "SchedulerParameters=sched_interval=2,bf_interval=1",
         "JobRequeue=1",
         "ReturnToService=2",
@@ -163,10 +167,14 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
         and _plugin_exists("cred_none")
         and os.environ.get("TWINKLE_SLURM_AUTH") != "munge"
     ):
-        auth = ["AuthType=auth/none", "CredType=cred/none", "AuthInfo=cred_expire=5"]
+        auth = ["AuthType=auth/none", "CredType=cred/none", f"AuthInfo=cred_expire={CRED_EXPIRE_S}"]
     else:
         sock = _start_munge(root)
-        auth = ["AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={sock},cred_expire=5"]
+        auth = [
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={sock},cred_expire={CRED_EXPIRE_S}",
+        ]
     conf = _write_conf(root, auth)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
     env["SLURM_CONF"] = str(conf)
