@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument(
         "--watchdog",
         type=float,
-        default=360.0,
+        default=480.0,
         help="seconds after which every thread's stack goes to stderr and the process exits (a hang shows where)",
     )
     args = ap.parse_args()
