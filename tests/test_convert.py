@@ -121,14 +121,16 @@ def test_convert_export_round_trip_is_bit_exact(which, request, tmp_path):
     assert not differ, f"tensors not bit-exact after convert -> export: {differ}"
 
 
-def _lora_checkpoint(hf: Path, root: Path, saved_args: dict | None) -> tuple[Path, torch.Tensor]:
+def _lora_checkpoint(
+    hf: Path, root: Path, saved_args: dict | None, targets: tuple[str, ...] = ("all-linear",)
+) -> tuple[Path, torch.Tensor]:
     """An adapter-only checkpoint as the launcher saves one (``model`` = adapters_only, args with
     the --lora-* flags, iter_0000003 + tracker), with random factors; returns it and Megatron logits."""
     from megatron.core import dist_checkpointing
 
     from twinkle_specs.lora.checkpoint import adapters_only
 
-    lora = ts.LoraConfig(r=4, lora_alpha=8, target_modules=("all-linear",))
+    lora = ts.LoraConfig(r=4, lora_alpha=8, target_modules=targets)
     model = ts.build_model(hf, lora=lora).eval()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -167,6 +169,45 @@ def test_lora_checkpoint_exports_peft_and_merged(checkpoints, tmp_path, megatron
     diff = _max_diff(megatron, hf_logits(tmp_path / "merged", batch()))
     print(f"LoRA merged export: max |Δ logits| {diff:.3e}")
     assert diff <= TOL, f"merged export of the LoRA checkpoint: max |Δ logits| = {diff:.3e} > {TOL}"
+
+
+def test_moe_lora_checkpoint_exports_experts_per_expert(checkpoints, tmp_path, megatron_single):
+    """``twinkle-specs export --expert-layout per-expert``: Qwen3-MoE's routed experts under transformers 4's
+    per-expert names, which peft 0.21 reads back into the checkpoint's model."""
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    hf = checkpoints("qwen3_moe")
+    targets = ("linear_qkv", "linear_fc1", "linear_fc2")
+    ckpt, megatron = _lora_checkpoint(hf, tmp_path, LORA_ARGS | {"lora_target": ",".join(targets)}, targets)
+    out = tmp_path / "peft"
+    args = [
+        "export",
+        "--load",
+        str(ckpt),
+        "--hf-model",
+        str(hf),
+        "--out",
+        str(out),
+        "--expert-layout",
+        "per-expert",
+    ]
+    assert cli(args) == 0
+    with safe_open(out / "adapter_model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "base_model.model.model.layers.1.mlp.experts.0.gate_proj.lora_A.weight" in keys, sorted(keys)[:8]
+    assert not any("experts.lora_" in k for k in keys), sorted(keys)[:8]
+    base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    with torch.no_grad():
+        ref = PeftModel.from_pretrained(base, out).eval()(batch()).logits
+    diff = _max_diff(megatron, ref)
+    print(f"MoE LoRA per-expert export: max |Δ logits| {diff:.3e}")
+    assert diff <= TOL, (
+        f"per-expert PEFT adapter from the LoRA checkpoint: max |Δ logits| = {diff:.3e} > {TOL}"
+    )
+    with pytest.raises(MegatronCheckpointError, match="--expert-layout per-expert lays out a PEFT adapter's"):
+        export(ckpt, hf, tmp_path / "merged", mode="merged", expert_layout="per-expert")
 
 
 def test_lora_checkpoint_without_saved_flags_names_the_flag(checkpoints, tmp_path, megatron_single):

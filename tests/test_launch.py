@@ -426,3 +426,50 @@ def test_batch_dump_starts_at_a_later_micro_batch(tmp_path, monkeypatch):
     for i in range(4):
         split(torch.full((1, 4), i), labels=torch.full((1, 4), i))
     assert not (tmp_path / "cp2").exists()
+
+
+def test_lora_moe_run_exports_routed_experts_per_expert(checkpoints, tmp_path):
+    """--hf-export-expert-layout per-expert: the routed experts under transformers 4's per-expert names (at
+    rank r: Megatron's linear_fc1/linear_fc2 targets), which peft 0.21 reads back into the trained model."""
+    hf = checkpoints("qwen3_moe")
+    out = tmp_path / "adapter"
+    proc = launch(
+        "--hf-model",
+        str(hf),
+        *COMMON,
+        "--train-iters",
+        "2",
+        "--lr",
+        "0.5",
+        "--save",
+        str(tmp_path / "ck"),
+        "--save-interval",
+        "2",
+        "--lora-rank",
+        "4",
+        "--lora-target",
+        "linear_qkv,linear_fc1,linear_fc2",
+        "--hf-export",
+        str(out),
+        "--hf-export-expert-layout",
+        "per-expert",
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    from safetensors.torch import load_file
+
+    keys = set(load_file(out / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.mlp.experts.3.up_proj.lora_B.weight" in keys, sorted(keys)[:8]
+    assert not any("experts.lora_" in k or "base_layer" in k for k in keys), sorted(keys)[:8]
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert {"gate_proj", "up_proj", "down_proj", "q_proj"} <= set(config["target_modules"]), config
+    run = torch.load(tmp_path / "ck" / "run.pt")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    with torch.no_grad():
+        plain = base(run["tokens"][:, :-1]).logits
+        ref = PeftModel.from_pretrained(base, out).eval()(run["tokens"][:, :-1]).logits
+    logits = run["logits"][..., : CONFIGS["qwen3_moe"]().vocab_size]
+    assert (logits - plain).abs().max().item() > 1e-2  # the trained adapter changes the model
+    assert (logits - ref).abs().max().item() <= 1e-4

@@ -50,6 +50,12 @@ def _refused(capsys, argv: list[str]) -> str:
         (["--lora-rank", "0", "--lora-target", "q_proj"], ["--lora-target need(s) --lora-rank R"]),
         (["--hf-export-on-save"], ["--hf-export-on-save needs --hf-export DIR"]),
         (["--lora-rank", "4", "--hf-export-merged"], ["--hf-export-merged needs --hf-export DIR"]),
+        (["--hf-export-expert-layout", "per-expert"], ["--hf-export-expert-layout need(s) --lora-rank R"]),
+        (
+            ["--lora-rank", "4", "--hf-export-expert-layout", "per-expert"],
+            ["--hf-export-expert-layout lays out a PEFT adapter's routed experts", "needs --hf-export DIR"],
+        ),
+        (["--lora-rank", "4", "--hf-export-expert-layout", "stacked"], ["invalid choice: 'stacked'"]),
     ],
 )
 def test_bad_lora_flags_name_the_flag(checkpoints, capsys, flags, needles):
@@ -149,3 +155,23 @@ def test_architecture_conflict_after_megatron_parse_is_a_config_error(checkpoint
     assert res.returncode == 2, res.stderr[-3000:]
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
     assert marker.read_text().startswith("--untie-embeddings-and-output-weights gives ")
+
+
+def test_per_expert_export_the_model_cannot_take_is_refused_before_training(checkpoints, tmp_path):
+    """Qwen3-MoE's HF MLP names give its routed experts' gate_up rank 2r (as peft does), which transformers 4's
+    per-expert names cannot carry at the adapter's r: refused when the model is built, not at the end of
+    training, naming the flag and the Megatron targets that give rank r."""
+    marker, out = tmp_path / "config-error.txt", tmp_path / "adapter"
+    args = ["--hf-model", str(checkpoints("qwen3_moe")), "--tokenizer-type", "NullTokenizer"]
+    args += ["--vocab-size", "255", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1"]
+    args += ["--lr", "0.01", "--lora-rank", "4", "--lora-target", "all-linear", "--hf-export", str(out)]
+    args += ["--hf-export-expert-layout", "per-expert"]
+    res = _launch_subprocess(args, marker)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    text = marker.read_text()
+    assert text.startswith(
+        "--hf-export-expert-layout: expert_layout 'per-expert': routed experts must have"
+    ), text
+    assert "linear_fc1/linear_fc2 rank r" in text, text
+    assert not out.exists()

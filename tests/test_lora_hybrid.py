@@ -174,6 +174,35 @@ def test_transformers4_per_expert_adapter_into_qwen3_next(hybrid, tmp_path, mega
     assert delta <= TOL
 
 
+def test_per_expert_export_of_qwen3_next(hybrid, tmp_path, megatron_single):
+    """Qwen3-Next's routed experts exported per expert (what vLLM reads without options) load in peft 0.21
+    as the model computes them, and a shared expert adapted beside them is refused by name (on transformers 4
+    gate_proj/up_proj/down_proj would name both)."""
+    hf = hybrid("qwen3_next")
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=16,
+        target_modules=["q_proj"],
+        target_parameters=[f"mlp.experts.{p}" for p in ("gate_up_proj", "down_proj")],
+    )
+    model = ts.build_model(hf, lora=lora).eval()
+    toks = hybrid_batch(s=24)
+    base = _logits(model, toks)
+    randomize_megatron(model)
+    ours = _logits(model, toks)
+    export_peft_adapter(model, tmp_path / "adapter", expert_layout="per-expert")
+    ref = _peft_logits(peft.PeftModel.from_pretrained(hf_model(hf), tmp_path / "adapter"), toks)
+    assert (ours - base).abs().max() > 1e-2
+    delta = (ours - ref).abs().max().item()
+    print(f"qwen3_next per-expert export max|Δ| = {delta:.3g}")
+    assert delta <= TOL
+    shared = ts.build_model(
+        hf, lora=LoraConfig(r=4, lora_alpha=16, target_modules=["linear_fc1", "linear_fc2"])
+    )
+    with pytest.raises(ValueError, match="its shared expert .* is adapted too"):
+        export_peft_adapter(shared, tmp_path / "shared", expert_layout="per-expert")
+
+
 def test_transformers4_shared_expert_factors_are_refused_not_dropped(hybrid, tmp_path, megatron_single):
     """A transformers-4 adapter naming gate_proj also adapted Qwen3-Next's shared expert (peft matched the
     suffix); on transformers 5 the names mean the routed experts and peft 0.21 drops the shared expert's

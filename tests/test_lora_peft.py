@@ -271,3 +271,105 @@ def test_transformers4_per_expert_adapter_errors_name_the_problem(
     )
     with pytest.raises(ValueError, match=match):
         load_peft_adapter(model, adapter)
+
+
+PER_EXPERT_CASES = {
+    "both": dict(target_modules=["k_proj"], target_parameters=BOTH_EXPERTS),
+    "gate-up": dict(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]),
+    "down-router": dict(target_parameters=["mlp.experts.down_proj", "mlp.gate.weight"]),
+}
+
+
+@pytest.mark.parametrize("targets", list(PER_EXPERT_CASES.values()), ids=list(PER_EXPERT_CASES))
+def test_per_expert_export_is_the_same_adapter(targets, lora_checkpoints, tmp_path, single_rank):  # noqa: F811
+    """Routed experts exported per expert (transformers 4's names, what vLLM reads without options for
+    Qwen3-MoE) are the fused export's adapter exactly: peft 0.21 converts them back on transformers 5 (gate and
+    up at rank 2r, alpha 2 alpha) and gives the model's logits, as it does from the fused export, and twinkle
+    loads them back the same. peft 0.21 misloads gate and up converted without down (see
+    test_transformers4_per_expert_adapter_into_megatron), so there only twinkle's load is compared."""
+    hf = lora_checkpoints("qwen3_moe")
+    model = ts.build_model(hf, lora=LoraConfig(r=4, lora_alpha=8, **targets), parallel_output=False).eval()
+    toks = tokens()
+    base = megatron_logits(model, toks)
+    randomize_megatron(model)
+    ours = megatron_logits(model, toks)
+    export_peft_adapter(model, tmp_path / "fused")
+    export_peft_adapter(model, tmp_path / "per-expert", expert_layout="per-expert")
+
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "per-expert" / "adapter_model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    projs = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+    slots = [p for param in targets.get("target_parameters", []) for p in projs.get(param.split(".")[-1], ())]
+    expected = {
+        f"base_model.model.model.layers.{layer}.mlp.experts.{e}.{proj}.lora_{w}.weight"
+        for layer in range(2)
+        for e in range(4)
+        for proj in slots
+        for w in "AB"
+    }
+    assert expected <= keys and not any("experts.lora_" in k or "base_layer" in k for k in keys), sorted(keys)
+    config = json.loads((tmp_path / "per-expert" / "adapter_config.json").read_text())
+    assert set(slots) <= set(config["target_modules"]), config
+    assert not any("experts" in p for p in config.get("target_parameters") or []), config
+
+    with torch.no_grad():
+        fused = peft.PeftModel.from_pretrained(hf_model(hf), tmp_path / "fused").eval()(toks).logits
+        per_expert = peft.PeftModel.from_pretrained(hf_model(hf), tmp_path / "per-expert").eval()(toks).logits
+    assert (ours - base).abs().max() > 1e-2
+    print(f"per-expert export max|Δ|: fused in peft {(ours - fused).abs().max():.3g}", end="")
+    print(f", per-expert in peft {(ours - per_expert).abs().max():.3g}")
+    assert (ours - fused).abs().max().item() <= TOL
+    if "gate_proj" not in slots or "down_proj" in slots:  # peft 0.21 misloads gate + up without down
+        assert (ours - per_expert).abs().max().item() <= TOL
+    back = ts.build_model(
+        hf, lora=LoraConfig.from_peft(tmp_path / "per-expert"), parallel_output=False
+    ).eval()
+    load_peft_adapter(back, tmp_path / "per-expert")
+    assert (megatron_logits(back, toks) - ours).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize(
+    "kind,lora,match",
+    [
+        ("qwen2_moe", dict(target_parameters=BOTH_EXPERTS), "no transformers 4 per-expert names"),
+        (
+            "qwen3_moe",
+            dict(target_parameters=BOTH_EXPERTS, use_rslora=True),
+            "changes an rsLoRA adapter's scale",
+        ),
+        (
+            "qwen3_moe",
+            dict(target_parameters=BOTH_EXPERTS, rank_pattern={r".*\.down_proj": 2}),
+            r"config.s r=4 and alpha=8 \(experts.linear_fc2.down_proj r=2 alpha=8; HF MLP names",
+        ),
+    ],
+    ids=["qwen2_moe", "rslora", "expert-rank"],
+)
+def test_per_expert_export_refuses_what_its_names_cannot_say(
+    kind,
+    lora,
+    match,
+    lora_checkpoints,
+    tmp_path,
+    single_rank,  # noqa: F811
+):
+    model = ts.build_model(lora_checkpoints(kind), lora=LoraConfig(r=4, lora_alpha=8, **lora))
+    with pytest.raises(ValueError, match=f"expert_layout 'per-expert': .*{match}.*expert_layout 'fused'"):
+        export_peft_adapter(model, tmp_path / "out", expert_layout="per-expert")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="expert_layout 'stacked': expected one of fused, per-expert"):
+        export_peft_adapter(model, tmp_path / "out", expert_layout="stacked")
+
+
+def test_expert_layout_flags_offer_what_the_export_takes():
+    """The launcher's and the CLI's flag write the layouts out (parsing imports no torch): the same ones."""
+    import argparse
+
+    from twinkle_specs.cli import add_expert_layout_flag
+    from twinkle_specs.lora.config import EXPERT_LAYOUTS
+
+    parser = argparse.ArgumentParser()
+    add_expert_layout_flag(parser, "--layout")
+    assert tuple(parser._option_string_actions["--layout"].choices) == EXPERT_LAYOUTS

@@ -27,6 +27,19 @@ KNOWN_UPSTREAM_WARNINGS = (
 )
 
 
+def add_expert_layout_flag(parser, flag: str) -> None:
+    """The flag choosing an adapter export's routed-expert layout (``export`` here, the launcher's
+    ``--hf-export-expert-layout``); its choices are ``twinkle_specs.lora.config.EXPERT_LAYOUTS``, written out
+    so that parsing flags imports no torch."""
+    parser.add_argument(
+        flag,
+        choices=("fused", "per-expert"),
+        default="fused",
+        help="a PEFT adapter's routed experts: peft's fused target_parameters (transformers 5) or per-expert "
+        "(transformers 4's names; what vLLM reads without options for Qwen3-MoE and Qwen3-Next)",
+    )
+
+
 def _quiet_upstream_warnings() -> None:
     for message in KNOWN_UPSTREAM_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning, module="megatron")
@@ -91,7 +104,14 @@ def _export(ns: argparse.Namespace) -> int:
     }
     mode = "peft" if ns.peft else "merged" if ns.merged else None
     done = export(
-        ns.load, ns.hf_model, ns.out, iteration=ns.iteration, mode=mode, lora_overrides=lora, force=ns.force
+        ns.load,
+        ns.hf_model,
+        ns.out,
+        iteration=ns.iteration,
+        mode=mode,
+        lora_overrides=lora,
+        force=ns.force,
+        expert_layout=ns.expert_layout,
     )
     what = {"peft": "PEFT adapter", "merged": "merged HF weights", "full": "HF weights"}[done]
     print(f"wrote {what} to {ns.out}")
@@ -186,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-alpha", type=float, default=None, help="if the checkpoint's args lack it")
     p.add_argument("--lora-target", default=None, help="if the checkpoint's args lack it")
     p.add_argument("--lora-rslora", action="store_true", help="if the checkpoint's args lack it")
+    add_expert_layout_flag(p, "--expert-layout")
     p.add_argument("--force", action="store_true", help="replace an earlier export in a non-empty --out")
     p.set_defaults(func=_export)
 

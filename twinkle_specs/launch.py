@@ -37,6 +37,7 @@ from typing import NoReturn
 
 import torch
 
+from .cli import add_expert_layout_flag
 from .config_mapping import architecture_settings, flag_values, installed_megatron_core, megatron_args_from_hf
 from .hf_config import qwen_arch_from_hf
 
@@ -142,6 +143,7 @@ def add_twinkle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         action="store_true",
         help="replace an earlier export in a non-empty --hf-export",
     )
+    add_expert_layout_flag(g, "--hf-export-expert-layout")
     return parser
 
 
@@ -407,10 +409,26 @@ def _wrap_gpt_init(original):
 
             prepare_lora_model(self)
             self.sharded_state_dict = _adapter_only(self.sharded_state_dict)
+            _check_expert_layout(self)
         _maybe_dump_batches(self)
         _RUN.models.append(self)
 
     return init
+
+
+def _check_expert_layout(model) -> None:
+    """Refuses, before training, an --hf-export-expert-layout the end-of-run export could not write."""
+    from megatron.training import get_args
+
+    from .lora.peft_io import check_expert_layout
+
+    margs = get_args()
+    layout = getattr(margs, "hf_export_expert_layout", "fused")
+    if margs.hf_export and not margs.hf_export_merged:
+        try:
+            check_expert_layout(model, layout)
+        except ValueError as err:
+            raise LaunchError(f"--hf-export-expert-layout: {err}") from err
 
 
 def _exact_rotary_base(arguments: dict) -> None:
@@ -643,12 +661,18 @@ def export(models, out_dir: str | Path, *, merged: bool = False, overwrite: bool
     from .export import save_hf_weights
     from .output_dir import staged_output
 
-    target = _export_target(_sources_from_args(get_args()), overwrite)
+    margs = get_args()
+    target = _export_target(_sources_from_args(margs), overwrite)
     with staged_output(out_dir, **target) as staging:
         if _RUN is not None and _RUN.lora is not None and not merged:
             from .lora import export_peft_adapter
 
-            export_peft_adapter(models, staging, base_model_name_or_path=_RUN.hf_dir)
+            export_peft_adapter(
+                models,
+                staging,
+                base_model_name_or_path=_RUN.hf_dir,
+                expert_layout=margs.hf_export_expert_layout,
+            )
         elif _RUN is not None and _RUN.lora is not None:
             from .lora import merge_lora, unmerge_lora
 
@@ -744,7 +768,13 @@ def install_hooks() -> None:
 
 
 CONFIG_ERROR_EXIT = 2  # bad flags or inputs (argparse's code too): restarting the job cannot help
-LORA_ONLY_FLAGS = ("--lora-alpha", "--lora-dropout", "--lora-target", "--lora-rslora")
+LORA_ONLY_FLAGS = (
+    "--lora-alpha",
+    "--lora-dropout",
+    "--lora-target",
+    "--lora-rslora",
+    "--hf-export-expert-layout",
+)
 
 
 def refuse(message: str) -> NoReturn:
@@ -784,6 +814,11 @@ def main(argv: list[str] | None = None) -> None:
     elif (pre.hf_export_merged or pre.hf_export_on_save) and not pre.hf_export:
         flag = "--hf-export-merged" if pre.hf_export_merged else "--hf-export-on-save"
         refuse(f"{flag} needs --hf-export DIR (where to write the Hugging Face checkpoint)")
+    elif pre.hf_export_expert_layout != "fused" and (pre.hf_export_merged or not pre.hf_export):
+        refuse(
+            "--hf-export-expert-layout lays out a PEFT adapter's routed experts: it needs --hf-export DIR "
+            "without --hf-export-merged"
+        )
     else:
         try:
             flags = merge_flags(pre.hf_model, user)

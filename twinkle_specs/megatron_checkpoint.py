@@ -508,6 +508,7 @@ def export(
     dtype: torch.dtype | None = None,
     lora_overrides: dict[str, Any] | None = None,
     force: bool = False,
+    expert_layout: str = "fused",
 ) -> str:
     """Writes a ``torch_dist`` checkpoint as HF weights (``mode`` "full"), a PEFT adapter ("peft", the
     default for adapter-only LoRA checkpoints) or merged weights ("merged"). Returns the mode used.
@@ -554,6 +555,11 @@ def export(
         raise MegatronCheckpointError(
             f"{info.dir}: is a LoRA checkpoint; export it with --peft (adapter) or --merged (full weights)"
         )
+    if expert_layout != "fused" and mode != "peft":
+        raise MegatronCheckpointError(
+            f"--expert-layout {expert_layout} lays out a PEFT adapter's routed experts; this export writes "
+            f"{mode} weights (drop --expert-layout, or export the LoRA checkpoint with --peft)"
+        )
     lora = lora_from_checkpoint(info, lora_overrides or {}) if is_lora else None
     ckpt_dtype = next(iter(info.tensors[k].dtype for k in sorted(keys)))
 
@@ -579,7 +585,9 @@ def export(
 
     with staged_output(out, **target) as staging:
         if mode == "peft":
-            export_peft_adapter(model, staging, base_model_name_or_path=str(hf_model))
+            export_peft_adapter(
+                model, staging, base_model_name_or_path=str(hf_model), expert_layout=expert_layout
+            )
         else:
             if mode == "merged":
                 merge_lora(model)

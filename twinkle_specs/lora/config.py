@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Routed experts in a PEFT export: peft's target_parameters (transformers 5) or transformers 4's per-expert names
+EXPERT_LAYOUTS = ("fused", "per-expert")
 # Site of a Megatron linear -> its adapter slots, in output order. A slot is one PEFT adapter (own A, B).
 SITE_SLOTS: dict[str, tuple[str, ...]] = {
     "linear_qkv": ("q_proj", "k_proj", "v_proj"),

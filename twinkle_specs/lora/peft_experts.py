@@ -6,7 +6,10 @@ and so on per expert. Transformers 5 fuses each layer's experts into ``gate_up_p
 tensors; peft 0.21 converts such an adapter when it loads it (``peft.utils.transformers_weight_conversion``):
 gate and up become one adapter of rank 2r whose A stacks the two A's and whose B is their block diagonal
 (``LoraConfig.resolve`` gives the same rank 2r and alpha 2*alpha), down keeps its own. :func:`fuse_per_expert`
-does that conversion, into peft's ``target_parameters`` layout (:func:`stack_experts`).
+does that conversion, into peft's ``target_parameters`` layout (:func:`stack_experts`). :func:`split_experts`
+writes an expert factor the other way, for exports in that layout (``export_peft_adapter(...,
+expert_layout="per-expert")``): gate and up of one rank-r adapter share its A and split its B by rows, so
+each is exactly a rank-r adapter of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +35,32 @@ def stack_experts(per_expert: dict[int, torch.Tensor], which: str, key: str, num
     if which == "A":
         return stacked.reshape(-1, stacked.shape[-1])
     return stacked.permute(1, 2, 0).reshape(stacked.shape[1], -1)
+
+
+def split_experts(
+    key: str, slot: str, per_expert: dict[int, torch.Tensor], num: int
+) -> dict[str, torch.Tensor]:
+    """One routed-expert factor (``key`` in peft's ``target_parameters`` layout, ``slot`` gate_up_proj or
+    down_proj, each expert's [r, in] A or [out, r] B) under transformers 4's per-expert names: gate_up's A for
+    both gate_proj and up_proj, its B's first half of the rows (transformers' gate) for gate_proj, the second
+    for up_proj."""
+    missing = sorted(set(range(num)) - set(per_expert))
+    if missing:
+        raise RuntimeError(f"{key}: experts {missing} were not found on any rank")
+    module, which = key.split(".lora_")[0].removesuffix(".base_layer"), key.split(".")[-2][-1]
+    out: dict[str, torch.Tensor] = {}
+    for e in range(num):
+        t = per_expert[e]
+        if slot == "down_proj":
+            parts = {"down_proj": t}
+        elif which == "A":  # a copy for up: safetensors refuses tensors that share storage
+            parts = {"gate_proj": t, "up_proj": t.clone()}
+        else:
+            gate, up = t.chunk(2)
+            parts = {"gate_proj": gate.clone(), "up_proj": up.clone()}
+        for proj, tensor in parts.items():
+            out[f"{module}.{e}.{proj}.lora_{which}.weight"] = tensor
+    return out
 
 
 def fuse_per_expert(

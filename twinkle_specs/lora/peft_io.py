@@ -9,7 +9,10 @@ column-parallel bases, A columns for row-parallel ones), which is how Megatron s
 Routed experts use peft's ``target_parameters`` layout on transformers' fused expert tensors (what vLLM
 reads for MoE LoRA too): ``lora_A`` is [r * E, in] (expert-major), ``lora_B`` is [out, r * E]
 (rank-major, expert-minor); with both expert parameters targeted, peft nests its wrappers and the
-gate_up_proj factors sit under ``experts.base_layer``.
+gate_up_proj factors sit under ``experts.base_layer``. An export may instead write them per expert, as
+transformers 4 named them (``...mlp.experts.<e>.gate_proj.lora_A.weight``; ``expert_layout="per-expert"``):
+what transformers 4 + peft load, and what vLLM reads without options for the models it does not flag
+``is_3d_moe_weight`` (Qwen3-MoE, Qwen3-Next).
 
 Hybrid models reorder rows between transformers and Megatron (the gated attention's q_proj: query and
 gate per head, Megatron: all queries then all gates per group; the Gated DeltaNet's in_proj: sections
@@ -36,10 +39,10 @@ from ..hf_config import qwen_arch_from_hf
 from ..output_dir import staged_output
 from ..parallel import model_chunks
 from ..weight_map import bind
-from .config import LoraConfig, Sites, pattern_path, slot_path
+from .config import EXPERT_LAYOUTS, LoraConfig, Sites, pattern_path, slot_path
 from .layers import LoraLayerMixin
 from .model import lora_modules
-from .peft_experts import fuse_per_expert, stack_experts
+from .peft_experts import fuse_per_expert, split_experts, stack_experts
 from .spec import fused_experts, lora_in_proj
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -62,6 +65,7 @@ class Factor:
     num_experts: int
     # PEFT rows of B in this rank's order, and of all TP ranks in gather order (None: contiguous blocks)
     rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    slot: str = ""  # the HF projection (gate_up_proj and down_proj share a key when only one is adapted)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -185,6 +189,7 @@ def _slot_factors(
                 expert,
                 num_experts,
                 rows if which == "B" else None,
+                slot,
             )
 
 
@@ -195,13 +200,16 @@ def _gather_tp(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def gather_peft_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] | None:
-    """Every factor (or its gradient) under its PEFT name, full size, on global rank 0 (None elsewhere).
+def gather_peft_tensors(
+    model, grads: bool = False, expert_layout: str = "fused"
+) -> dict[str, torch.Tensor] | None:
+    """Every factor (or its gradient) under its PEFT name, full size, on global rank 0 (None elsewhere);
+    routed experts in ``expert_layout`` (one of :data:`EXPERT_LAYOUTS`).
 
     Collective over all ranks: shards are gathered over TP, stages and experts over PP and EP.
     """
     local: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     num_experts = 0
     for f in factors(model):
         t = (f.grad if grads else f.tensor).detach()
@@ -213,7 +221,7 @@ def gather_peft_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] |
         if f.expert is None:
             local[f.key] = t.cpu()
         else:
-            experts.setdefault(f.key, {})[f.expert] = t.cpu()
+            experts.setdefault((f.key, f.slot), {})[f.expert] = t.cpu()
             num_experts = f.num_experts
     gathered: list = [(local, experts, num_experts)]
     if dist.is_initialized():
@@ -223,36 +231,47 @@ def gather_peft_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] |
         if not rank0:
             return None
     tensors: dict[str, torch.Tensor] = {}
-    all_experts: dict[str, dict[int, torch.Tensor]] = {}
+    all_experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for rank_local, rank_experts, rank_num in gathered:
         tensors |= rank_local
         num_experts = max(num_experts, rank_num)
         for key, per in rank_experts.items():
             all_experts.setdefault(key, {}).update(per)
-    for key, per in all_experts.items():
-        tensors[key] = stack_experts(per, key.split(".")[-2][-1], key, num_experts)
+    for (key, slot), per in all_experts.items():
+        if expert_layout == "per-expert":
+            tensors |= split_experts(key, slot, per, num_experts)
+        else:
+            tensors[key] = stack_experts(per, key.split(".")[-2][-1], key, num_experts)
     return tensors
 
 
 def export_peft_adapter(
-    model, out_dir: str | Path, base_model_name_or_path: str | None = None, *, overwrite: bool = False
+    model,
+    out_dir: str | Path,
+    base_model_name_or_path: str | None = None,
+    *,
+    overwrite: bool = False,
+    expert_layout: str = "fused",
 ) -> Path | None:
     """Writes the adapters as a PEFT adapter directory that ``PeftModel.from_pretrained`` loads.
 
     Collective: every rank of the model's parallel layout must call it; global rank 0 writes and
     returns the directory. The file holds the factors in the model's parameter dtype. ``out_dir`` must be
     new or empty (``overwrite`` replaces an earlier adapter there) and apart from the base checkpoint; it
-    appears complete or not at all (:mod:`twinkle_specs.output_dir`).
+    appears complete or not at all (:mod:`twinkle_specs.output_dir`). ``expert_layout``: routed experts in
+    peft's ``target_parameters`` layout (``"fused"``, transformers 5) or per expert (``"per-expert"``,
+    transformers 4's names; Qwen3-MoE and Qwen3-Next, see :func:`check_expert_layout`).
     """
     lora = _lora_config(model)
     sites = model_sites(model)
+    check_expert_layout(model, expert_layout)
     base = base_model_name_or_path or _hf_source(model)
     sources = {
         "the base checkpoint": base if Path(base).is_dir() else None,  # not a hub name
         "the checkpoint the model was loaded from": _hf_source(model),
     }
     with staged_output(out_dir, sources=sources, overwrite=overwrite, replaceable=PEFT_OUTPUTS) as staging:
-        tensors = gather_peft_tensors(model)
+        tensors = gather_peft_tensors(model, expert_layout=expert_layout)
         if tensors is not None:
             save_file(
                 {k: v.contiguous() for k, v in sorted(tensors.items())},
@@ -260,8 +279,51 @@ def export_peft_adapter(
                 {"format": "pt"},
             )
             shared = bool(model_chunks(model)[0].config.moe_shared_expert_intermediate_size)
-            write_peft_config(_peft_config(lora, sites, shared, base), staging)
+            write_peft_config(_peft_config(lora, sites, shared, base, expert_layout), staging)
     return Path(out_dir) if tensors is not None else None
+
+
+def check_expert_layout(model, expert_layout: str) -> None:
+    """Refuses an ``expert_layout`` this model's adapters cannot be written in, before anything is gathered.
+
+    Per expert needs what transformers 4's names can say and peft 0.21 reads back the same: a model whose
+    routed experts those names mean (Qwen3-MoE, Qwen3-Next: :func:`~twinkle_specs.lora.spec.fused_experts`),
+    no other MLP adapted (``gate_proj`` would also name the shared expert), the experts at the config's rank
+    and alpha (peft's conversion gives gate_up rank 2r and alpha 2 alpha from the config's) and no rsLoRA
+    (that conversion changes its scale, alpha / sqrt(r))."""
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout {expert_layout!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
+    sites = model_sites(model)
+    experts = {s for s in sites if s.startswith("experts.")}
+    if expert_layout == "fused" or not experts:
+        return
+    lora, config = _lora_config(model), model_chunks(model)[0].config
+    why = None
+    if not fused_experts(config):
+        why = "its HF model has no transformers 4 per-expert names that peft maps to the routed experts"
+    elif {"linear_fc1", "linear_fc2"} & set(sites):
+        why = (
+            "its shared expert (or dense MLP) is adapted too, and gate_proj/up_proj/down_proj would name both"
+        )
+    elif lora.use_rslora:
+        why = "peft's conversion back to transformers 5 (rank 2r, alpha 2 alpha) changes an rsLoRA adapter's scale"
+    else:
+        odd = [
+            f"{site}.{slot} r={spec.r} alpha={spec.lora_alpha}"
+            for site in sorted(experts)
+            for slot, spec in sites[site].items()
+            if (spec.r, spec.lora_alpha) != (lora.r, lora.lora_alpha)
+        ]
+        if odd:
+            why = (
+                f"routed experts must have the config's r={lora.r} and alpha={lora.lora_alpha} ({'; '.join(odd)}; "
+                "HF MLP names give gate_up rank 2r as peft does, Megatron's linear_fc1/linear_fc2 rank r)"
+            )
+    if why:
+        raise ValueError(
+            f"expert_layout 'per-expert': {why}; export the routed experts in peft's fused layout "
+            "(expert_layout 'fused', the default)"
+        )
 
 
 def write_peft_config(config: Any, directory: Path) -> None:
@@ -277,7 +339,9 @@ def write_peft_config(config: Any, directory: Path) -> None:
     path.write_text(json.dumps(fields, indent=2, sort_keys=True))
 
 
-def _peft_config(lora: LoraConfig, sites: Sites, shared_expert: bool, base: str):
+def _peft_config(
+    lora: LoraConfig, sites: Sites, shared_expert: bool, base: str, expert_layout: str = "fused"
+):
     """peft's config for exactly these sites: explicit names (never 'all-linear'), per-path ranks."""
     import peft
 
@@ -285,6 +349,9 @@ def _peft_config(lora: LoraConfig, sites: Sites, shared_expert: bool, base: str)
     for site, slots in sites.items():
         for slot, spec in slots.items():
             path = slot_path(site, slot, shared_expert)
+            if site.startswith("experts.") and expert_layout == "per-expert":
+                modules.update(("gate_proj", "up_proj") if slot == "gate_up_proj" else (slot,))
+                continue  # at the config's rank and alpha (check_expert_layout)
             if site.startswith("experts."):
                 parameters.add(path)
             elif site == "router":
