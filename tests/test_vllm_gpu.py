@@ -2,7 +2,8 @@
 vLLM, and vLLM's prompt log-probabilities with it are transformers + peft's on the same adapter: dense Qwen3
 and Qwen3.5 with every linear adapted, and Qwen3-MoE, Qwen3.5-MoE and Qwen3-Next with attention and the routed
 experts (peft's ``target_parameters`` layout, which vLLM's Qwen3.5-MoE reads as written and its Qwen3-MoE and
-Qwen3-Next with ``enable_mixed_moe_lora_format``, see tests/vllm_worker.py).
+Qwen3-Next with ``enable_mixed_moe_lora_format``, see tests/vllm_worker.py; or, for those two, exported per
+expert: vLLM's own format for them, read without options).
 
 bf16 rounds differently in each engine, so both are judged against the fp32 truth (transformers + peft in
 fp32): vLLM's mean error must stay within ``VLLM_ERROR_RATIO`` of transformers + peft's own bf16 run's, with
@@ -74,7 +75,9 @@ HYBRID_MOE = HYBRID | dict(
     moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=4
 )
 # case: (checkpoint kind, its sizes, the adapter's targets, whether vLLM needs its mixed MoE LoRA format
-# options for the routed experts: models whose vLLM class lacks is_3d_moe_weight, see tests/vllm_worker.py)
+# options for the routed experts: models whose vLLM class lacks is_3d_moe_weight, see tests/vllm_worker.py);
+# a case named "-per-expert" exports the routed experts per expert (expert_layout), which such a model's vLLM
+# class reads as its own format, without the options
 CASES = {
     "qwen3-all-linear": ("qwen3", dict(intermediate_size=512), dict(target_modules="all-linear"), False),
     "qwen3_moe-attention-experts": ("qwen3_moe", MOE | dict(num_experts_per_tok=2), MOE_TARGETS, True),
@@ -84,11 +87,18 @@ CASES = {
         MOE_TARGETS,
         True,
     ),
+    "qwen3_moe-attention-experts-all-routed-per-expert": (
+        "qwen3_moe",
+        MOE | dict(num_experts_per_tok=4),
+        MOE_TARGETS,
+        False,
+    ),
     # the multimodal checkpoints, as Qwen3.5 and Qwen3.5-MoE are released and as vLLM serves them (their
     # text-only classes are unregistered there); vLLM's Qwen3.5-MoE reads peft's fused expert layout as is
     "qwen3_5-all-linear": ("qwen3_5_vl", HYBRID, dict(target_modules="all-linear"), False),
     "qwen3_5_moe-attention-experts-all-routed": ("qwen3_5_moe_vl", HYBRID_MOE, MOE_TARGETS, False),
     "qwen3_next-attention-experts-all-routed": ("qwen3_next", HYBRID_MOE, MOE_TARGETS, True),
+    "qwen3_next-attention-experts-all-routed-per-expert": ("qwen3_next", HYBRID_MOE, MOE_TARGETS, False),
 }
 
 
@@ -130,7 +140,8 @@ def test_exported_adapter_serves_in_vllm_as_in_peft(case, gpu, tmp_path):
     )
     randomize_megatron(model, std=0.3)
     adapter = tmp_path / "adapter"
-    ts.export_peft_adapter(model, adapter)
+    layout = "per-expert" if case.endswith("-per-expert") else "fused"
+    ts.export_peft_adapter(model, adapter, expert_layout=layout)
     del model
     torch.cuda.empty_cache()
 
