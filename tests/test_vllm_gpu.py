@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import models
 import pytest
@@ -74,31 +75,34 @@ HYBRID = dict(
 HYBRID_MOE = HYBRID | dict(
     moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=4
 )
-# case: (checkpoint kind, its sizes, the adapter's targets, whether vLLM needs its mixed MoE LoRA format
-# options for the routed experts: models whose vLLM class lacks is_3d_moe_weight, see tests/vllm_worker.py);
-# a case named "-per-expert" exports the routed experts per expert (expert_layout), which such a model's vLLM
-# class reads as its own format, without the options
+# vLLM 0.26's MoE classes without is_3d_moe_weight: they take peft's fused expert layout only with the mixed
+# MoE LoRA format options (tests/vllm_worker.py's --moe-3d), and a per-expert export as their own format
+VLLM_UNFLAGGED_MOE = {"qwen3_moe", "qwen3_next"}
+MOE_ALL_ROUTED = MOE | dict(num_experts_per_tok=4)  # every expert routed, as HYBRID_MOE
+
+
+class Case(NamedTuple):
+    kind: str  # the checkpoint
+    sizes: dict
+    targets: dict  # the adapter's
+    expert_layout: str = "fused"  # export_peft_adapter's
+
+
 CASES = {
-    "qwen3-all-linear": ("qwen3", dict(intermediate_size=512), dict(target_modules="all-linear"), False),
-    "qwen3_moe-attention-experts": ("qwen3_moe", MOE | dict(num_experts_per_tok=2), MOE_TARGETS, True),
-    "qwen3_moe-attention-experts-all-routed": (
-        "qwen3_moe",
-        MOE | dict(num_experts_per_tok=4),
-        MOE_TARGETS,
-        True,
-    ),
-    "qwen3_moe-attention-experts-all-routed-per-expert": (
-        "qwen3_moe",
-        MOE | dict(num_experts_per_tok=4),
-        MOE_TARGETS,
-        False,
+    "qwen3-all-linear": Case("qwen3", dict(intermediate_size=512), dict(target_modules="all-linear")),
+    "qwen3_moe-attention-experts": Case("qwen3_moe", MOE | dict(num_experts_per_tok=2), MOE_TARGETS),
+    "qwen3_moe-attention-experts-all-routed": Case("qwen3_moe", MOE_ALL_ROUTED, MOE_TARGETS),
+    "qwen3_moe-attention-experts-all-routed-per-expert": Case(
+        "qwen3_moe", MOE_ALL_ROUTED, MOE_TARGETS, "per-expert"
     ),
     # the multimodal checkpoints, as Qwen3.5 and Qwen3.5-MoE are released and as vLLM serves them (their
     # text-only classes are unregistered there); vLLM's Qwen3.5-MoE reads peft's fused expert layout as is
-    "qwen3_5-all-linear": ("qwen3_5_vl", HYBRID, dict(target_modules="all-linear"), False),
-    "qwen3_5_moe-attention-experts-all-routed": ("qwen3_5_moe_vl", HYBRID_MOE, MOE_TARGETS, False),
-    "qwen3_next-attention-experts-all-routed": ("qwen3_next", HYBRID_MOE, MOE_TARGETS, True),
-    "qwen3_next-attention-experts-all-routed-per-expert": ("qwen3_next", HYBRID_MOE, MOE_TARGETS, False),
+    "qwen3_5-all-linear": Case("qwen3_5_vl", HYBRID, dict(target_modules="all-linear")),
+    "qwen3_5_moe-attention-experts-all-routed": Case("qwen3_5_moe_vl", HYBRID_MOE, MOE_TARGETS),
+    "qwen3_next-attention-experts-all-routed": Case("qwen3_next", HYBRID_MOE, MOE_TARGETS),
+    "qwen3_next-attention-experts-all-routed-per-expert": Case(
+        "qwen3_next", HYBRID_MOE, MOE_TARGETS, "per-expert"
+    ),
 }
 
 
@@ -130,7 +134,8 @@ def test_exported_adapter_serves_in_vllm_as_in_peft(case, gpu, tmp_path):
 
     import twinkle_specs as ts
 
-    kind, size, targets, mixed_moe_format = CASES[case]
+    kind, size, targets, expert_layout = CASES[case]
+    fused_experts = "target_parameters" in targets and expert_layout == "fused"
     if kind in HYBRID_KINDS:
         hf = make_hybrid_checkpoint(kind, tmp_path / "hf", **SIZE | size)
     else:
@@ -140,8 +145,7 @@ def test_exported_adapter_serves_in_vllm_as_in_peft(case, gpu, tmp_path):
     )
     randomize_megatron(model, std=0.3)
     adapter = tmp_path / "adapter"
-    layout = "per-expert" if case.endswith("-per-expert") else "fused"
-    ts.export_peft_adapter(model, adapter, expert_layout=layout)
+    ts.export_peft_adapter(model, adapter, expert_layout=expert_layout)
     del model
     torch.cuda.empty_cache()
 
@@ -150,7 +154,7 @@ def test_exported_adapter_serves_in_vllm_as_in_peft(case, gpu, tmp_path):
     out = tmp_path / "vllm.json"
     cmd = [sys.executable, str(WORKER), "--model", str(hf), "--adapter", str(adapter), "--rank", str(RANK)]
     cmd += ["--tokens", str(tmp_path / "tokens.json"), "--out", str(out)]
-    cmd += ["--moe-3d"] if mixed_moe_format else []
+    cmd += ["--moe-3d"] if fused_experts and kind in VLLM_UNFLAGGED_MOE else []
     log = tmp_path / "vllm.log"  # vLLM's own output, kept where the test's tmp_path is kept
     with log.open("w") as sink:
         proc = subprocess.run(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=900)

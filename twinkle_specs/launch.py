@@ -423,10 +423,9 @@ def _check_expert_layout(model) -> None:
     from .lora.peft_io import check_expert_layout
 
     margs = get_args()
-    layout = getattr(margs, "hf_export_expert_layout", "fused")
     if margs.hf_export and not margs.hf_export_merged:
         try:
-            check_expert_layout(model, layout)
+            check_expert_layout(model, margs.hf_export_expert_layout)
         except ValueError as err:
             raise LaunchError(f"--hf-export-expert-layout: {err}") from err
 

@@ -25,13 +25,18 @@ PER_EXPERT = re.compile(
 )
 
 
-def stack_experts(per_expert: dict[int, torch.Tensor], which: str, key: str, num: int) -> torch.Tensor:
-    """One routed-expert factor in peft's ``target_parameters`` layout: A [r * E, in] expert-major, B
-    [out, r * E] rank-major (expert-minor), from each expert's [r, in] / [out, r]."""
+def _in_order(per_expert: dict[int, torch.Tensor], key: str, num: int) -> list[torch.Tensor]:
+    """Experts 0 to ``num`` - 1 of one factor, each gathered from the rank that holds it."""
     missing = sorted(set(range(num)) - set(per_expert))
     if missing:
         raise RuntimeError(f"{key}: experts {missing} were not found on any rank")
-    stacked = torch.stack([per_expert[e] for e in range(num)])  # [E, r, in] or [E, out, r]
+    return [per_expert[e] for e in range(num)]
+
+
+def stack_experts(per_expert: dict[int, torch.Tensor], which: str, key: str, num: int) -> torch.Tensor:
+    """One routed-expert factor in peft's ``target_parameters`` layout: A [r * E, in] expert-major, B
+    [out, r * E] rank-major (expert-minor), from each expert's [r, in] / [out, r]."""
+    stacked = torch.stack(_in_order(per_expert, key, num))  # [E, r, in] or [E, out, r]
     if which == "A":
         return stacked.reshape(-1, stacked.shape[-1])
     return stacked.permute(1, 2, 0).reshape(stacked.shape[1], -1)
@@ -44,13 +49,9 @@ def split_experts(
     down_proj, each expert's [r, in] A or [out, r] B) under transformers 4's per-expert names: gate_up's A for
     both gate_proj and up_proj, its B's first half of the rows (transformers' gate) for gate_proj, the second
     for up_proj."""
-    missing = sorted(set(range(num)) - set(per_expert))
-    if missing:
-        raise RuntimeError(f"{key}: experts {missing} were not found on any rank")
     module, which = key.split(".lora_")[0].removesuffix(".base_layer"), key.split(".")[-2][-1]
     out: dict[str, torch.Tensor] = {}
-    for e in range(num):
-        t = per_expert[e]
+    for e, t in enumerate(_in_order(per_expert, key, num)):
         if slot == "down_proj":
             parts = {"down_proj": t}
         elif which == "A":  # a copy for up: safetensors refuses tensors that share storage
