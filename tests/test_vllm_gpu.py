@@ -1,9 +1,9 @@
 """twinkle's PEFT adapters served by vLLM (GPU): an adapter exported from the Transformer Engine model loads in
-vLLM, and vLLM's prompt log-probabilities with it are transformers + peft's on the same adapter: dense Qwen3
-and Qwen3.5 with every linear adapted, and Qwen3-MoE, Qwen3.5-MoE and Qwen3-Next with attention and the routed
-experts (peft's ``target_parameters`` layout, which vLLM's Qwen3.5-MoE reads as written and its Qwen3-MoE and
-Qwen3-Next with ``enable_mixed_moe_lora_format``, see tests/vllm_worker.py; or, for those two, exported per
-expert: vLLM's own format for them, read without options).
+vLLM, and vLLM's prompt log-probabilities with it are transformers + peft's on the same adapter: dense Qwen3,
+Qwen2 and Qwen3.5 with every linear adapted, and Qwen3-MoE, Qwen2-MoE, Qwen3.5-MoE and Qwen3-Next with attention
+and the routed experts (peft's ``target_parameters`` layout, which vLLM's Qwen3.5-MoE reads as written and its
+Qwen3-MoE, Qwen2-MoE and Qwen3-Next with ``enable_mixed_moe_lora_format``, see tests/vllm_worker.py; or, for
+Qwen3-MoE and Qwen3-Next, exported per expert: vLLM's own format for them, read without options).
 
 bf16 rounds differently in each engine, so both are judged against the fp32 truth (transformers + peft in
 fp32): vLLM's mean error must stay within ``VLLM_ERROR_RATIO`` of transformers + peft's own bf16 run's, with
@@ -77,7 +77,7 @@ HYBRID_MOE = HYBRID | dict(
 )
 # vLLM 0.26's MoE classes without is_3d_moe_weight: they take peft's fused expert layout only with the mixed
 # MoE LoRA format options (tests/vllm_worker.py's --moe-3d), and a per-expert export as their own format
-VLLM_UNFLAGGED_MOE = {"qwen3_moe", "qwen3_next"}
+VLLM_UNFLAGGED_MOE = {"qwen3_moe", "qwen3_next", "qwen2_moe"}
 MOE_ALL_ROUTED = MOE | dict(num_experts_per_tok=4)  # every expert routed, as HYBRID_MOE
 
 
@@ -90,10 +90,16 @@ class Case(NamedTuple):
 
 CASES = {
     "qwen3-all-linear": Case("qwen3", dict(intermediate_size=512), dict(target_modules="all-linear")),
+    # Qwen2 / Qwen2.5: QKV bias (frozen; the adapter beside it), tied embeddings as the small releases have
+    "qwen2-all-linear": Case("qwen2", dict(intermediate_size=512), dict(target_modules="all-linear")),
     "qwen3_moe-attention-experts": Case("qwen3_moe", MOE | dict(num_experts_per_tok=2), MOE_TARGETS),
     "qwen3_moe-attention-experts-all-routed": Case("qwen3_moe", MOE_ALL_ROUTED, MOE_TARGETS),
     "qwen3_moe-attention-experts-all-routed-per-expert": Case(
         "qwen3_moe", MOE_ALL_ROUTED, MOE_TARGETS, "per-expert"
+    ),
+    # a shared expert (not adapted) beside the routed ones, which the Qwen2-MoE adapter adapts
+    "qwen2_moe-attention-experts-all-routed": Case(
+        "qwen2_moe", MOE_ALL_ROUTED | dict(shared_expert_intermediate_size=128), MOE_TARGETS
     ),
     # the multimodal checkpoints, as Qwen3.5 and Qwen3.5-MoE are released and as vLLM serves them (their
     # text-only classes are unregistered there); vLLM's Qwen3.5-MoE reads peft's fused expert layout as is
