@@ -43,13 +43,13 @@ def stack_experts(per_expert: dict[int, torch.Tensor], which: str, key: str, num
 
 
 def split_experts(
-    key: str, slot: str, per_expert: dict[int, torch.Tensor], num: int
+    per_expert: dict[int, torch.Tensor], which: str, key: str, slot: str, num: int
 ) -> dict[str, torch.Tensor]:
-    """One routed-expert factor (``key`` in peft's ``target_parameters`` layout, ``slot`` gate_up_proj or
-    down_proj, each expert's [r, in] A or [out, r] B) under transformers 4's per-expert names: gate_up's A for
-    both gate_proj and up_proj, its B's first half of the rows (transformers' gate) for gate_proj, the second
-    for up_proj."""
-    module, which = key.split(".lora_")[0].removesuffix(".base_layer"), key.split(".")[-2][-1]
+    """One routed-expert factor (``key`` its name in peft's ``target_parameters`` layout, ``slot`` gate_up_proj
+    or down_proj, each expert's [r, in] A or [out, r] B) under transformers 4's per-expert names: gate_up's A
+    for both gate_proj and up_proj, its B's first half of the rows (transformers' gate) for gate_proj, the
+    second for up_proj."""
+    module = key.split(".lora_")[0].removesuffix(".base_layer")
     out: dict[str, torch.Tensor] = {}
     for e, t in enumerate(_in_order(per_expert, key, num)):
         if slot == "down_proj":

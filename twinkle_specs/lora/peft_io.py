@@ -209,7 +209,7 @@ def gather_peft_tensors(
     Collective over all ranks: shards are gathered over TP, stages and experts over PP and EP.
     """
     local: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    experts: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}  # (key, slot, which) -> expert: factor
     num_experts = 0
     for f in factors(model):
         t = (f.grad if grads else f.tensor).detach()
@@ -221,7 +221,7 @@ def gather_peft_tensors(
         if f.expert is None:
             local[f.key] = t.cpu()
         else:
-            experts.setdefault((f.key, f.slot), {})[f.expert] = t.cpu()
+            experts.setdefault((f.key, f.slot, f.which), {})[f.expert] = t.cpu()
             num_experts = f.num_experts
     gathered: list = [(local, experts, num_experts)]
     if dist.is_initialized():
@@ -231,17 +231,17 @@ def gather_peft_tensors(
         if not rank0:
             return None
     tensors: dict[str, torch.Tensor] = {}
-    all_experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    all_experts: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}
     for rank_local, rank_experts, rank_num in gathered:
         tensors |= rank_local
         num_experts = max(num_experts, rank_num)
         for key, per in rank_experts.items():
             all_experts.setdefault(key, {}).update(per)
-    for (key, slot), per in all_experts.items():
+    for (key, slot, which), per in all_experts.items():
         if expert_layout == "per-expert":
-            tensors |= split_experts(key, slot, per, num_experts)
+            tensors |= split_experts(per, which, key, slot, num_experts)
         else:
-            tensors[key] = stack_experts(per, key.split(".")[-2][-1], key, num_experts)
+            tensors[key] = stack_experts(per, which, key, num_experts)
     return tensors
 
 
