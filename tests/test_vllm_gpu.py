@@ -3,7 +3,10 @@ vLLM, and vLLM's prompt log-probabilities with it are transformers + peft's on t
 Qwen2 and Qwen3.5 with every linear adapted, and Qwen3-MoE, Qwen2-MoE, Qwen3.5-MoE and Qwen3-Next with attention
 and the routed experts (peft's ``target_parameters`` layout, which vLLM's Qwen3.5-MoE reads as written and its
 Qwen3-MoE, Qwen2-MoE and Qwen3-Next with ``enable_mixed_moe_lora_format``, see tests/vllm_worker.py; or, for
-Qwen3-MoE and Qwen3-Next, exported per expert: vLLM's own format for them, read without options).
+Qwen3-MoE and Qwen3-Next, exported per expert: vLLM's own format for them, read without options); a MoE model
+with attention only, and Qwen2-MoE's shared expert. Two cases go through ``vllm serve`` (its flags, the adapter
+in ``--lora-modules``' JSON form, the OpenAI API's ``prompt_logprobs``) as docs/lora.md writes it; the rest
+through vLLM's Python API.
 
 bf16 rounds differently in each engine, so both are judged against the fp32 truth (transformers + peft in
 fp32): vLLM's mean error must stay within ``VLLM_ERROR_RATIO`` of transformers + peft's own bf16 run's, with
@@ -56,8 +59,9 @@ SIZE = dict(
     num_hidden_layers=2,
     max_position_embeddings=128,
 )
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MOE_TARGETS = dict(
-    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+    target_modules=ATTENTION,
     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
 )
 MOE = dict(intermediate_size=512, moe_intermediate_size=128, num_experts=4)
@@ -79,6 +83,7 @@ HYBRID_MOE = HYBRID | dict(
 # MoE LoRA format options (tests/vllm_worker.py's --moe-3d), and a per-expert export as their own format
 VLLM_UNFLAGGED_MOE = {"qwen3_moe", "qwen3_next", "qwen2_moe"}
 MOE_ALL_ROUTED = MOE | dict(num_experts_per_tok=4)  # every expert routed, as HYBRID_MOE
+QWEN2_MOE = MOE_ALL_ROUTED | dict(shared_expert_intermediate_size=128)  # a shared expert beside
 
 
 class Case(NamedTuple):
@@ -86,20 +91,32 @@ class Case(NamedTuple):
     sizes: dict
     targets: dict  # the adapter's
     expert_layout: str = "fused"  # export_peft_adapter's
+    serve: bool = False  # through `vllm serve --lora-modules` and its OpenAI API, not the Python API
 
 
 CASES = {
     "qwen3-all-linear": Case("qwen3", dict(intermediate_size=512), dict(target_modules="all-linear")),
     # Qwen2 / Qwen2.5: QKV bias (frozen; the adapter beside it), tied embeddings as the small releases have
     "qwen2-all-linear": Case("qwen2", dict(intermediate_size=512), dict(target_modules="all-linear")),
+    # the documented `vllm serve` line: the server's flags, the adapter in --lora-modules' JSON form
+    "qwen3-all-linear-serve": Case(
+        "qwen3", dict(intermediate_size=512), dict(target_modules="all-linear"), serve=True
+    ),
+    # a MoE model with attention adapted only: no expert weights, so no mixed-format options
+    "qwen3_moe-attention": Case("qwen3_moe", MOE_ALL_ROUTED, dict(target_modules=ATTENTION)),
     "qwen3_moe-attention-experts": Case("qwen3_moe", MOE | dict(num_experts_per_tok=2), MOE_TARGETS),
     "qwen3_moe-attention-experts-all-routed": Case("qwen3_moe", MOE_ALL_ROUTED, MOE_TARGETS),
+    "qwen3_moe-attention-experts-all-routed-serve": Case(
+        "qwen3_moe", MOE_ALL_ROUTED, MOE_TARGETS, serve=True
+    ),
     "qwen3_moe-attention-experts-all-routed-per-expert": Case(
         "qwen3_moe", MOE_ALL_ROUTED, MOE_TARGETS, "per-expert"
     ),
     # a shared expert (not adapted) beside the routed ones, which the Qwen2-MoE adapter adapts
-    "qwen2_moe-attention-experts-all-routed": Case(
-        "qwen2_moe", MOE_ALL_ROUTED | dict(shared_expert_intermediate_size=128), MOE_TARGETS
+    "qwen2_moe-attention-experts-all-routed": Case("qwen2_moe", QWEN2_MOE, MOE_TARGETS),
+    # the MLP names on Qwen2-MoE: its shared expert (peft and vLLM alike), the routed experts not adapted
+    "qwen2_moe-attention-shared-expert": Case(
+        "qwen2_moe", QWEN2_MOE, dict(target_modules=[*ATTENTION, "gate_proj", "up_proj", "down_proj"])
     ),
     # the multimodal checkpoints, as Qwen3.5 and Qwen3.5-MoE are released and as vLLM serves them (their
     # text-only classes are unregistered there); vLLM's Qwen3.5-MoE reads peft's fused expert layout as is
@@ -140,7 +157,7 @@ def test_exported_adapter_serves_in_vllm_as_in_peft(case, gpu, tmp_path):
 
     import twinkle_specs as ts
 
-    kind, size, targets, expert_layout = CASES[case]
+    kind, size, targets, expert_layout, serve = CASES[case]
     fused_experts = "target_parameters" in targets and expert_layout == "fused"
     if kind in HYBRID_KINDS:
         hf = make_hybrid_checkpoint(kind, tmp_path / "hf", **SIZE | size)
@@ -161,6 +178,8 @@ def test_exported_adapter_serves_in_vllm_as_in_peft(case, gpu, tmp_path):
     cmd = [sys.executable, str(WORKER), "--model", str(hf), "--adapter", str(adapter), "--rank", str(RANK)]
     cmd += ["--tokens", str(tmp_path / "tokens.json"), "--out", str(out)]
     cmd += ["--moe-3d"] if fused_experts and kind in VLLM_UNFLAGGED_MOE else []
+    # the server's start-up and stop besides the engine's: a longer watchdog
+    cmd += ["--serve", "--watchdog", "840"] if serve else []
     log = tmp_path / "vllm.log"  # vLLM's own output, kept where the test's tmp_path is kept
     with log.open("w") as sink:
         proc = subprocess.run(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=900)
