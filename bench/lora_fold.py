@@ -15,9 +15,10 @@ a reduction widened by r:
 
 Timed on the device (the calls queued behind a sleep kernel, as under CUDA graphs), bf16, for each linear:
 the base GEMM alone (the floor), the unfused sequence and the folded one, forward and input gradient (the
-adapter's own weight gradients are the same either way, not timed). fc1's forward is left out: its delta
-already goes into the SwiGLU kernel (``twinkle_specs.lora.swiglu``). ``--layers`` scales a layer's saving
-to a step.
+adapter's own weight gradients are the same either way, not timed), where the model runs the sum as its own
+GEMM. Not so for two: fc1's forward delta goes into the SwiGLU forward kernel and fc2's input-gradient share
+into the SwiGLU backward kernel, which reads that gradient anyway (``twinkle_specs.lora.swiglu``), so folding
+has no sum to take there. ``--layers`` scales a layer's saving to a step.
 
     python bench/lora_fold.py --shape qwen3-8b --layers 36 --json out.json
 """
@@ -36,9 +37,9 @@ if str(ROOT) not in sys.path:  # run as a script: bench/ is importable as a pack
     sys.path.insert(0, str(ROOT))
 
 
-def adapted_linears(shape: str) -> dict[str, tuple[int, int, bool]]:
-    """Each adapted linear of a dense shape's layer: (input width K, output width N, whether its forward sum
-    is timed), from bench/shapes.py's config."""
+def adapted_linears(shape: str) -> dict[str, tuple[int, int, tuple[str, ...]]]:
+    """Each adapted linear of a dense shape's layer: (input width K, output width N, the passes whose sum the
+    model runs as a GEMM of its own: timed), from bench/shapes.py's config."""
     from bench import shapes
 
     config = shapes.hf_config(shape)
@@ -48,10 +49,10 @@ def adapted_linears(shape: str) -> dict[str, tuple[int, int, bool]]:
     d = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     return {
-        "linear_qkv": (h, q + 2 * kv, True),
-        "linear_proj": (q, h, True),
-        "linear_fc1": (h, 2 * f, False),
-        "linear_fc2": (f, h, True),
+        "linear_qkv": (h, q + 2 * kv, ("forward", "dgrad")),
+        "linear_proj": (q, h, ("forward", "dgrad")),
+        "linear_fc1": (h, 2 * f, ("dgrad",)),  # forward: in the SwiGLU forward kernel
+        "linear_fc2": (f, h, ("forward",)),  # input gradient: in the SwiGLU backward kernel
     }
 
 
@@ -114,10 +115,10 @@ def measure(args: argparse.Namespace) -> dict:
 
     rows: dict[str, dict] = {}
     saved_ms = 0.0
-    for name, (k, n, forward_sum) in adapted_linears(args.shape).items():
+    for name, (k, n, passes) in adapted_linears(args.shape).items():
         lin = Folded(args.seq, k, n, args.rank, 2.0, "cuda", torch.bfloat16)
         row: dict[str, float] = {"K": k, "N": n}
-        for which in ("forward", "dgrad") if forward_sum else ("dgrad",):
+        for which in passes:
             for path in ("base", "unfused", "folded"):
                 fn = getattr(lin, f"{path}_{which}")
                 row[f"{which}_{path}_ms"] = round(queued_cuda_ms(fn, args.iters, args.warmup), 4)

@@ -1524,10 +1524,10 @@ def test_lora_fold_probe_computes_what_the_adapter_computes():
     from bench import lora_fold
 
     assert lora_fold.adapted_linears("qwen3-8b") == {
-        "linear_qkv": (4096, 6144, True),
-        "linear_proj": (4096, 4096, True),
-        "linear_fc1": (4096, 24576, False),
-        "linear_fc2": (12288, 4096, True),
+        "linear_qkv": (4096, 6144, ("forward", "dgrad")),
+        "linear_proj": (4096, 4096, ("forward", "dgrad")),
+        "linear_fc1": (4096, 24576, ("dgrad",)),  # its forward sum is in the SwiGLU kernel
+        "linear_fc2": (12288, 4096, ("forward",)),  # its input-gradient share too
     }
     with pytest.raises(SystemExit, match="a dense shape"):
         lora_fold.adapted_linears("qwen3-30b-a3b")
