@@ -78,6 +78,11 @@ def test_adapters_inside_swiglu_equal_the_unfused_mlp(single_rank, monkeypatch, 
     [tokens, ffn] is saved. ``recipe`` (fc2 cannot hand over its input gradient, e.g. with dropout):
     fc2's adapter recomputes its input once, through the recipe LoraMLP hands it. Gate and up at one
     rank: SwiGLU takes fc1's own B (no fused B is built); at two ranks, the fused one."""
+    import megatron.core.fusions.fused_bias_swiglu as megatron_swiglu
+
+    # fc2's recipe is megatron's SwiGLU, torch.compile'd: inductor builds it with the C++ toolchain on the
+    # CPU (24 s a process with torch 2.11's CUDA build); its eager equivalent here, as in the test below
+    monkeypatch.setattr(megatron_swiglu, "swiglu", swiglu_eager)
     m = _mlp(one_rank=one_rank)
     fused_b = []
     real_fused = m.linear_fc1.lora_B_fused
