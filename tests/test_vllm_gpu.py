@@ -64,7 +64,9 @@ MOE_TARGETS = dict(
     target_modules=ATTENTION,
     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
 )
-MOE = dict(intermediate_size=512, moe_intermediate_size=128, num_experts=4)
+DENSE = dict(intermediate_size=512)
+ALL_LINEAR = dict(target_modules="all-linear")
+MOE = DENSE | dict(moe_intermediate_size=128, num_experts=4)
 # Gated DeltaNet layers (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj in Qwen3.5; in_proj_qkvz,
 # in_proj_ba, out_proj in Qwen3-Next), which vLLM packs into in_proj_qkvz and in_proj_ba, beside gated full
 # attention (tests/hybrid_models.py's layer pattern)
@@ -95,13 +97,11 @@ class Case(NamedTuple):
 
 
 CASES = {
-    "qwen3-all-linear": Case("qwen3", dict(intermediate_size=512), dict(target_modules="all-linear")),
+    "qwen3-all-linear": Case("qwen3", DENSE, ALL_LINEAR),
     # Qwen2 / Qwen2.5: QKV bias (frozen; the adapter beside it), tied embeddings as the small releases have
-    "qwen2-all-linear": Case("qwen2", dict(intermediate_size=512), dict(target_modules="all-linear")),
+    "qwen2-all-linear": Case("qwen2", DENSE, ALL_LINEAR),
     # the documented `vllm serve` line: the server's flags, the adapter in --lora-modules' JSON form
-    "qwen3-all-linear-serve": Case(
-        "qwen3", dict(intermediate_size=512), dict(target_modules="all-linear"), serve=True
-    ),
+    "qwen3-all-linear-serve": Case("qwen3", DENSE, ALL_LINEAR, serve=True),
     # a MoE model with attention adapted only: no expert weights, so no mixed-format options
     "qwen3_moe-attention": Case("qwen3_moe", MOE_ALL_ROUTED, dict(target_modules=ATTENTION)),
     "qwen3_moe-attention-experts": Case("qwen3_moe", MOE | dict(num_experts_per_tok=2), MOE_TARGETS),
@@ -120,7 +120,7 @@ CASES = {
     ),
     # the multimodal checkpoints, as Qwen3.5 and Qwen3.5-MoE are released and as vLLM serves them (their
     # text-only classes are unregistered there); vLLM's Qwen3.5-MoE reads peft's fused expert layout as is
-    "qwen3_5-all-linear": Case("qwen3_5_vl", HYBRID, dict(target_modules="all-linear")),
+    "qwen3_5-all-linear": Case("qwen3_5_vl", HYBRID, ALL_LINEAR),
     "qwen3_5_moe-attention-experts-all-routed": Case("qwen3_5_moe_vl", HYBRID_MOE, MOE_TARGETS),
     "qwen3_next-attention-experts-all-routed": Case("qwen3_next", HYBRID_MOE, MOE_TARGETS),
     "qwen3_next-attention-experts-all-routed-per-expert": Case(

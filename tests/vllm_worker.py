@@ -88,6 +88,12 @@ def engine_options(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     )
 
 
+def adapter_fields(args: argparse.Namespace) -> dict:
+    """The adapter's request fields beside its name and path: ``LoRARequest``'s keywords, and the same keys
+    in ``--lora-modules``' JSON."""
+    return {"is_3d_lora_weight": True} if args.moe_3d else {}
+
+
 def offline_logprobs(args: argparse.Namespace, options: dict, prompts: list[list[int]]) -> dict:
     """Through vLLM's Python API: ``LLM`` and a ``LoRARequest``."""
     # the engine in this process rather than a child of its own: one process to clean up
@@ -98,9 +104,7 @@ def offline_logprobs(args: argparse.Namespace, options: dict, prompts: list[list
 
     llm = LLM(model=args.model, **options)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-    request = LoRARequest(
-        ADAPTER_NAME, 1, args.adapter, **({"is_3d_lora_weight": True} if args.moe_3d else {})
-    )
+    request = LoRARequest(ADAPTER_NAME, 1, args.adapter, **adapter_fields(args))
 
     def logprobs(lora: LoRARequest | None) -> list[list[float]]:
         """Each prompt's log-probability of its own next token, position 1 on (vLLM gives none for 0)."""
@@ -130,9 +134,7 @@ def served_logprobs(args: argparse.Namespace, options: dict, prompts: list[list[
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    module = {"name": ADAPTER_NAME, "path": args.adapter} | (
-        {"is_3d_lora_weight": True} if args.moe_3d else {}
-    )
+    module = {"name": ADAPTER_NAME, "path": args.adapter, **adapter_fields(args)}
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *serve_flags(options), "--lora-modules", json.dumps(module)]
     print("vllm serve:", " ".join(cmd[3:]), flush=True)
