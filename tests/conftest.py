@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -37,6 +38,27 @@ def _built_once(root: Path, make: Callable[[str, Path], Path]) -> Callable[[str]
 def checkpoints(tmp_path_factory):
     """Builds each tiny HF checkpoint once per session, on first use."""
     return _built_once(tmp_path_factory.mktemp("hf"), make_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def qwen3_conversion(tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny Qwen3 and its TP1 release conversion, made once per test run: pytest-xdist's workers share
+    it through a lock file in their common temporary root (a conversion is a megatron-core process, ~10 s
+    here). For reading: copy it before changing it."""
+    from filelock import FileLock
+
+    from twinkle_specs.megatron_checkpoint import TRACKER, Layout, convert
+
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent  # the run's root, above each worker's own
+    hf, out = root / "shared-qwen3" / "hf", root / "shared-qwen3" / "mcore"
+    with FileLock(str(root / "shared-qwen3.lock")):
+        if not (out / TRACKER).is_file():
+            if hf.parent.exists():  # a half-made one from a worker that died: start over
+                shutil.rmtree(hf.parent)
+            convert(make_checkpoint("qwen3", hf), out, Layout())
+    return hf, out
 
 
 @pytest.fixture(scope="session")

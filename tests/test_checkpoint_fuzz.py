@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from models import make_checkpoint
 
+# The HF safetensors reader's refusals: run on one leg of scripts/test.sh (pyproject.toml's one_leg marker).
+pytestmark = pytest.mark.one_leg
 WORKER = Path(__file__).parent / "fuzz_checkpoint_worker.py"
 SEED, COUNT = 0, 300
 PER_VARIANT_S = 5.0

@@ -85,6 +85,7 @@ def test_nonfinite_weights_load_when_allowed(checkpoints, tmp_path, megatron_sin
         ts.load_hf_weights(ts.build_model(bad, load_weights=False), bad)
 
 
+@pytest.mark.one_leg  # the HF reader's check and the CLI flag; the conversion itself: test_convert.py
 def test_convert_refuses_nonfinite_weights_unless_told(checkpoints, tmp_path, capsys):
     bad = rewrite_checkpoint(checkpoints("qwen3"), tmp_path / "bad", _poison)
     assert cli(["convert", "--hf-model", str(bad), "--save", str(tmp_path / "refused")]) == 2

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from twinkle_specs.cli import main as cli
-from twinkle_specs.megatron_checkpoint import RELEASE, MegatronCheckpointError, convert, export
+from twinkle_specs.megatron_checkpoint import RELEASE, MegatronCheckpointError, export
 from twinkle_specs.safe_load import UnsafeCheckpointError, read_metadata
 
 
@@ -29,17 +29,9 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.fixture(scope="module")
-def converted(checkpoints, tmp_path_factory):
-    hf = checkpoints("qwen3")
-    out = tmp_path_factory.mktemp("mcore") / "qwen3"
-    convert(hf, out)
-    return hf, out
-
-
-def _copy(converted, tmp_path: Path) -> Path:
+def _copy(conversion: tuple[Path, Path], tmp_path: Path) -> Path:
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(converted[1], ckpt)
+    shutil.copytree(conversion[1], ckpt)
     return ckpt
 
 
@@ -59,9 +51,9 @@ def _exported_equals_source(hf: Path, out: Path) -> bool:
     return sorted(ref) == sorted(ours) and all(torch.equal(ref[k], ours[k]) for k in ref)
 
 
-def test_metadata_payload_is_refused_and_never_runs(converted, tmp_path, megatron_single, capsys):
-    hf, _ = converted
-    ckpt, marker = _copy(converted, tmp_path), tmp_path / "pwned"
+def test_metadata_payload_is_refused_and_never_runs(qwen3_conversion, tmp_path, megatron_single, capsys):
+    hf, _ = qwen3_conversion
+    ckpt, marker = _copy(qwen3_conversion, tmp_path), tmp_path / "pwned"
     _edit_metadata(ckpt, lambda m: setattr(m, "mcore_data", {"x": _Payload(marker)}))
     with pytest.raises(MegatronCheckpointError, match=r"\.metadata: refusing to unpickle (posix|os)\.system"):
         export(ckpt, hf, tmp_path / "out")
@@ -71,17 +63,17 @@ def test_metadata_payload_is_refused_and_never_runs(converted, tmp_path, megatro
     assert not (tmp_path / "out").exists() and not (tmp_path / "o2").exists()
 
 
-def test_genuine_checkpoint_still_exports_bit_exact(converted, tmp_path, megatron_single):
-    hf, ckpt = converted
+def test_genuine_checkpoint_still_exports_bit_exact(qwen3_conversion, tmp_path, megatron_single):
+    hf, ckpt = qwen3_conversion
     assert export(ckpt, hf, tmp_path / "out") == "full"
     assert _exported_equals_source(hf, tmp_path / "out")
 
 
 def test_common_payload_is_refused_even_when_torch_is_told_to_unpickle_freely(
-    converted, tmp_path, megatron_single, monkeypatch
+    qwen3_conversion, tmp_path, megatron_single, monkeypatch
 ):
-    hf, _ = converted
-    ckpt, marker = _copy(converted, tmp_path), tmp_path / "pwned"
+    hf, _ = qwen3_conversion
+    ckpt, marker = _copy(qwen3_conversion, tmp_path), tmp_path / "pwned"
     # megatron-core 0.19 keeps the common state inside the torch_dist files, and still reads a common.pt
     # that a checkpoint carries (its older format): plant one there.
     path = ckpt / RELEASE / "common.pt"
@@ -94,11 +86,11 @@ def test_common_payload_is_refused_even_when_torch_is_told_to_unpickle_freely(
     assert not marker.exists(), "the checkpoint's common.pt ran code"
 
 
-def test_sharded_object_payload_is_never_read(converted, tmp_path, megatron_single):
+def test_sharded_object_payload_is_never_read(qwen3_conversion, tmp_path, megatron_single):
     """torch reads a requested ShardedObject (a layer's _extra_state) with weights_only=False: point one
     at a payload appended to a data file; the export needs none of them, so it succeeds unharmed."""
-    hf, _ = converted
-    ckpt, marker = _copy(converted, tmp_path), tmp_path / "pwned"
+    hf, _ = qwen3_conversion
+    ckpt, marker = _copy(qwen3_conversion, tmp_path), tmp_path / "pwned"
 
     def edit(metadata):
         index, info = next((i, s) for i, s in metadata.storage_data.items() if "_extra_state" in i.fqn)
@@ -115,8 +107,8 @@ def test_sharded_object_payload_is_never_read(converted, tmp_path, megatron_sing
 
 
 @pytest.mark.parametrize("where", ["../elsewhere.distcp", "/etc/passwd", "sub/x.distcp", ".."])
-def test_metadata_pointing_outside_the_checkpoint_is_refused(converted, tmp_path, where):
-    ckpt = _copy(converted, tmp_path)
+def test_metadata_pointing_outside_the_checkpoint_is_refused(qwen3_conversion, tmp_path, where):
+    ckpt = _copy(qwen3_conversion, tmp_path)
 
     def edit(metadata):
         next(iter(metadata.storage_data.values())).relative_path = where
@@ -126,9 +118,9 @@ def test_metadata_pointing_outside_the_checkpoint_is_refused(converted, tmp_path
         read_metadata(ckpt / RELEASE)
 
 
-def test_garbled_metadata_is_a_clear_error(converted, tmp_path, megatron_single):
-    hf, _ = converted
-    ckpt = _copy(converted, tmp_path)
+def test_garbled_metadata_is_a_clear_error(qwen3_conversion, tmp_path, megatron_single):
+    hf, _ = qwen3_conversion
+    ckpt = _copy(qwen3_conversion, tmp_path)
     meta = ckpt / RELEASE / ".metadata"
     meta.write_bytes(meta.read_bytes()[:500])
     with pytest.raises(MegatronCheckpointError, match=r"\.metadata: not a torch_dist metadata file"):
@@ -138,11 +130,11 @@ def test_garbled_metadata_is_a_clear_error(converted, tmp_path, megatron_single)
         export(ckpt, hf, tmp_path / "out")
 
 
-def test_adapter_checkpoint_loads_and_refuses_a_payload(converted, tmp_path, megatron_single):
+def test_adapter_checkpoint_loads_and_refuses_a_payload(qwen3_conversion, tmp_path, megatron_single):
     import twinkle_specs as ts
     from twinkle_specs.lora.checkpoint import load_adapter_checkpoint, save_adapter_checkpoint
 
-    hf, _ = converted
+    hf, _ = qwen3_conversion
     lora = ts.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
     saved = ts.build_model(hf, lora=lora)
     with torch.no_grad():
@@ -167,13 +159,15 @@ def test_adapter_checkpoint_loads_and_refuses_a_payload(converted, tmp_path, meg
     assert not marker.exists()
 
 
-def test_metadata_replaced_after_the_check_is_never_read(converted, tmp_path, megatron_single, monkeypatch):
+def test_metadata_replaced_after_the_check_is_never_read(
+    qwen3_conversion, tmp_path, megatron_single, monkeypatch
+):
     """Megatron unpickles .metadata itself after the check: it must get the checked bytes, not a file
     swapped for a payload in between."""
     from twinkle_specs import safe_load
 
-    hf, _ = converted
-    ckpt, marker = _copy(converted, tmp_path), tmp_path / "pwned"
+    hf, _ = qwen3_conversion
+    ckpt, marker = _copy(qwen3_conversion, tmp_path), tmp_path / "pwned"
     check, calls = safe_load._parse_metadata, []
     # The first check is export's look at the checkpoint, the last the load's; megatron-core 0.19 (no
     # common.pt) reads the common state from a checked copy in between.
@@ -197,11 +191,11 @@ def test_metadata_replaced_after_the_check_is_never_read(converted, tmp_path, me
     assert _exported_equals_source(hf, tmp_path / "out")
 
 
-def test_metadata_of_older_megatron_saves_is_read(converted, tmp_path):
+def test_metadata_of_older_megatron_saves_is_read(qwen3_conversion, tmp_path):
     """megatron-core 0.15 saved its own Metadata subclass; megatron keeps an empty stand-in for it."""
     from megatron.core.dist_checkpointing.strategies.torch import MCoreMetadata
 
-    ckpt = _copy(converted, tmp_path)
+    ckpt = _copy(qwen3_conversion, tmp_path)
     path = ckpt / RELEASE / ".metadata"
     with path.open("rb") as f:
         metadata = pickle.load(f)

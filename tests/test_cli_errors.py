@@ -8,7 +8,6 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -43,6 +42,7 @@ def rank_mischief(tmp_path, monkeypatch):
     return set_mischief
 
 
+@pytest.mark.one_leg  # the convert job's rank supervision (pipes, a dying rank): twinkle-specs' own
 def test_convert_rank_writing_more_than_a_pipe_holds_finishes(checkpoints, tmp_path, rank_mischief):
     """Rank 1 prints 512 KiB before it joins the group; reading rank 0's pipe first used to deadlock."""
     rank_mischief("chatty")
@@ -53,6 +53,7 @@ def test_convert_rank_writing_more_than_a_pipe_holds_finishes(checkpoints, tmp_p
     assert time.monotonic() - t0 < 240
 
 
+@pytest.mark.one_leg  # as above
 def test_convert_rank_that_dies_stops_the_others(checkpoints, tmp_path, rank_mischief):
     """Rank 1 exits at start-up: rank 0 would wait for it in the rendezvous (gloo: 30 min); it is stopped
     and the failure named within seconds."""
@@ -72,14 +73,6 @@ def test_output_below_a_file_is_one_line(checkpoints, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("twinkle-specs: error: ") and "\n" not in err, err
     assert str(tmp_path / "file") in err and "Not a directory (ENOTDIR)" in err, err
-
-
-@pytest.fixture(scope="module")
-def megatron_ckpt(checkpoints, tmp_path_factory) -> tuple[Path, Path]:
-    hf = checkpoints("qwen3")
-    out = tmp_path_factory.mktemp("mcore") / "qwen3"
-    convert(hf, out, Layout())
-    return hf, out
 
 
 def _cli(*args: str, fsize: int | None = None) -> subprocess.CompletedProcess:
@@ -104,8 +97,8 @@ def _last_error_line(res: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_export_into_a_path_below_a_file(megatron_ckpt, tmp_path):
-    hf, ckpt = megatron_ckpt
+def test_export_into_a_path_below_a_file(qwen3_conversion, tmp_path):
+    hf, ckpt = qwen3_conversion
     (tmp_path / "file").write_text("not a directory")
     res = _cli("export", "--load", str(ckpt), "--hf-model", str(hf), "--out", str(tmp_path / "file" / "hf"))
     assert res.returncode == 2, res.stderr
@@ -113,9 +106,9 @@ def test_export_into_a_path_below_a_file(megatron_ckpt, tmp_path):
     assert str(tmp_path / "file") in line and "Not a directory (ENOTDIR)" in line, line
 
 
-def test_export_onto_a_full_disk(megatron_ckpt, tmp_path):
+def test_export_onto_a_full_disk(qwen3_conversion, tmp_path):
     """A file-size limit makes every write past 64 KiB fail as on a full disk (for root as well)."""
-    hf, ckpt = megatron_ckpt
+    hf, ckpt = qwen3_conversion
     out = tmp_path / "hf"
     res = _cli("export", "--load", str(ckpt), "--hf-model", str(hf), "--out", str(out), fsize=64 * 1024)
     assert res.returncode == 2, res.stderr

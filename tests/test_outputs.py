@@ -49,15 +49,6 @@ def error_line(capsys) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def conversion(checkpoints, tmp_path_factory):
-    """A TP1 release conversion of the tiny Qwen3 (copy it before changing it)."""
-    hf = checkpoints("qwen3")
-    save = tmp_path_factory.mktemp("conversion") / "qwen3"
-    convert(hf, save, Layout())
-    return hf, save
-
-
 @pytest.fixture
 def hf_copy(checkpoints, tmp_path) -> Path:
     return Path(shutil.copytree(checkpoints("qwen3"), tmp_path / "hf"))
@@ -77,9 +68,9 @@ def hf_copy(checkpoints, tmp_path) -> Path:
     ],
 )
 def test_export_force_refuses_an_out_overlapping_a_source(
-    out, relation, conversion, hf_copy, tmp_path, capsys
+    out, relation, qwen3_conversion, hf_copy, tmp_path, capsys
 ):
-    load = Path(shutil.copytree(conversion[1], tmp_path / "load"))
+    load = Path(shutil.copytree(qwen3_conversion[1], tmp_path / "load"))
     before = snapshot(tmp_path)
     argv = [
         "export",
@@ -98,9 +89,9 @@ def test_export_force_refuses_an_out_overlapping_a_source(
 
 
 def test_convert_force_keeps_the_previous_conversion_when_the_new_source_is_bad(
-    conversion, hf_copy, tmp_path
+    qwen3_conversion, hf_copy, tmp_path
 ):
-    save = Path(shutil.copytree(conversion[1], tmp_path / "save"))
+    save = Path(shutil.copytree(qwen3_conversion[1], tmp_path / "save"))
     before = snapshot(save)
     weights = hf_copy / "model.safetensors"
     tensors = load_file(weights)
@@ -210,6 +201,7 @@ def test_outputs_get_the_umask_modes(checkpoints, tmp_path, megatron_single, uma
         } == {}
 
 
+@pytest.mark.one_leg  # the exports' staging directory and rename, twinkle-specs' own writer
 @pytest.mark.parametrize("kind, overwrite", [("hf", False), ("hf", True), ("peft", True)])
 def test_sigkill_mid_write_leaves_nothing_or_the_old_content(
     kind, overwrite, checkpoints, tmp_path, megatron_single

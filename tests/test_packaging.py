@@ -63,6 +63,7 @@ def _run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedP
     return proc
 
 
+@pytest.mark.one_leg  # what the wheel holds and where it runs from; the patches per version: test_source_checkout
 @pytest.mark.slow
 def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     src = tmp_path / "src"
