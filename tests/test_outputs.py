@@ -88,6 +88,7 @@ def test_export_force_refuses_an_out_overlapping_a_source(
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.one_leg  # the staging directory and the HF reader's refusal, twinkle-specs' own
 def test_convert_force_keeps_the_previous_conversion_when_the_new_source_is_bad(
     qwen3_conversion, hf_copy, tmp_path
 ):
