@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import shutil
@@ -43,17 +44,16 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen3_conversion(tmp_path_factory) -> tuple[Path, Path]:
     """The tiny Qwen3 and its TP1 release conversion, made once per test run: pytest-xdist's workers share
-    it through a lock file in their common temporary root (a conversion is a megatron-core process, ~10 s
-    here). For reading: copy it before changing it."""
-    from filelock import FileLock
-
+    it under a lock file in their common temporary root (``flock``, as gpu_checks.Evidence takes one; a
+    conversion is a megatron-core process, ~10 s here). For reading: copy it before changing it."""
     from twinkle_specs.megatron_checkpoint import TRACKER, Layout, convert
 
     root = tmp_path_factory.getbasetemp()
     if "PYTEST_XDIST_WORKER" in os.environ:
         root = root.parent  # the run's root, above each worker's own
     hf, out = root / "shared-qwen3" / "hf", root / "shared-qwen3" / "mcore"
-    with FileLock(str(root / "shared-qwen3.lock")):
+    with open(root / "shared-qwen3.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / TRACKER).is_file():
             if hf.parent.exists():  # a half-made one from a worker that died: start over
                 shutil.rmtree(hf.parent)
