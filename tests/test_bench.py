@@ -1517,6 +1517,24 @@ def test_attention_probe_takes_the_harness_shapes_and_flop_count():
     assert proc.returncode == 2 and "--cudnn: unknown setting 'usr' (system, wheel)" in proc.stderr
 
 
+def test_lora_fold_saving_counts_only_the_passes_folding_speeds_up():
+    """The probe's saving a layer sums the passes the folded GEMM makes faster; one it slows stays unfused
+    (run 1 of the committed H200 probe: fc1's input gradient 28 µs slower). From the committed runs, with the
+    input-gradient row of fc2 that the model does not run as a GEMM (the tree of then timed it) left out, it
+    gives the 3.59 / 3.66 ms a 36-layer step that bench/results/2026-11-28-h200/README.md states."""
+    from bench import lora_fold
+
+    results = Path(__file__).resolve().parents[1] / "bench" / "results" / "2026-11-28-h200"
+    per_step = []
+    for run in (1, 2):
+        rows = json.loads((results / f"lora-fold-qwen3-8b-{run}.json").read_text())["rows"]
+        rows["linear_fc2"] = {k: v for k, v in rows["linear_fc2"].items() if not k.startswith("dgrad_")}
+        per_step.append(round(lora_fold.saved_ms_per_layer(rows) * 36, 2))
+    assert per_step == [3.59, 3.66]
+    slower = {"x": {"K": 8, "N": 8, "dgrad_base_ms": 1.0, "dgrad_unfused_ms": 1.1, "dgrad_folded_ms": 1.3}}
+    assert lora_fold.saved_ms_per_layer(slower) == 0.0
+
+
 def test_lora_fold_probe_computes_what_the_adapter_computes():
     """bench/lora_fold.py's folded GEMMs (the adapter's rank-r sums as columns of one buffer holding W, B and
     A, over widened activations) give the unfused path's output and input gradient, and the linears it times
