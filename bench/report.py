@@ -193,11 +193,15 @@ def _judged(group: str, target: str, value: float | None, bound: float, spread_:
     return check | {"met": value >= bound}
 
 
-def _for_its_gpu(check: dict[str, Any], device: str | None) -> dict[str, Any]:
-    """An absolute target (tokens/s, MFU) measured on a GPU other than the one it is stated for: the value
-    is reported, not judged (another GPU's clocks, memory and power cap decide it), and the note says on
-    which side of the bound it fell there. A row that does not name its GPU is judged as before."""
-    if check.get("met") is None or device is None or ABSOLUTE_TARGETS_GPU in device:
+def _judged_absolute(
+    group: str, target: str, value: float | None, bound: float, device: str | None
+) -> dict[str, Any]:
+    """An absolute target (tokens/s, MFU) check for a row measured on ``device``: judged as :func:`_judged`
+    judges it (a CPU run judges nothing); on a GPU other than the one it is stated for, the value is reported,
+    not judged (another GPU's clocks, memory and power cap decide it), and the note says on which side of the
+    bound it fell there. A row that does not name its GPU is judged."""
+    check = _judged(group, target, value, bound, None, device == "cpu")
+    if check["met"] is None or device is None or ABSOLUTE_TARGETS_GPU in device:
         return check
     side = "at or above" if check["met"] else "below"
     note = f"stated for the {ABSOLUTE_TARGETS_GPU}, not judged on an {device} ({side} the bound there)"
@@ -241,21 +245,20 @@ def targets(results: list[dict[str, Any]], ratio_table: dict[str, dict]) -> list
         if r.get("status") != "ok":
             continue
         group, device = group_name(group_key(r)), r.get("device")
-        cpu = device == "cpu"
         if r["shape"].startswith("qwen3-8b") and r["variant"] in ("mcore_te_full", "twinkle_full"):
             if r.get("mfu") is not None:
                 target = f"{r['variant']} MFU >= {MFU_TARGET} (dense 8B shape)"
-                checks.append(_for_its_gpu(_judged(group, target, r["mfu"], MFU_TARGET, None, cpu), device))
+                checks.append(_judged_absolute(group, target, r["mfu"], MFU_TARGET, device))
         full_depth_8b = r["shape"] == LORA_8B_SHAPE and (r["seq_len"], r["micro_batch_size"]) == (4096, 1)
         if full_depth_8b and configuration_of(r) == "twinkle_lora" and r.get("grad_accum", 1) == 1:
             v = r["variant"]
             target = f"{v} tokens/s >= {LORA_8B_TOKENS_TARGET:,.0f} (Qwen3-8B, all 36 layers)"
-            check = _judged(group, target, r["tokens_per_s_per_gpu"], LORA_8B_TOKENS_TARGET, None, cpu)
-            checks.append(_for_its_gpu(check, device))
+            checks.append(
+                _judged_absolute(group, target, r["tokens_per_s_per_gpu"], LORA_8B_TOKENS_TARGET, device)
+            )
             if r.get("mfu") is not None:
                 target = f"{v} LoRA-aware MFU >= {LORA_8B_MFU_TARGET} (Qwen3-8B, all 36 layers)"
-                check = _judged(group, target, r["mfu"], LORA_8B_MFU_TARGET, None, cpu)
-                checks.append(_for_its_gpu(check, device))
+                checks.append(_judged_absolute(group, target, r["mfu"], LORA_8B_MFU_TARGET, device))
     return checks
 
 
