@@ -121,6 +121,56 @@ def test_adapter_grads_under_full_recompute(hf, single_rank, host_rng):  # noqa:
     assert not _loss(model, tokens()).requires_grad
 
 
+def test_first_layer_input_gradient_is_not_computed_without_recompute(hf, single_rank, monkeypatch):  # noqa: F811
+    """Without recompute the decoder's input keeps no gradient (the embedding is frozen): the first layer's
+    input gradient is not computed, eager or in its CUDA-graph capture (the sample megatron makes for it
+    has none), and the adapters' gradients are bit for bit those of a run whose input requires grad."""
+    from twinkle_specs.lora.model import _require_grad_hook, mark_first_layer_input
+
+    model = ts.build_model(hf, lora=LoraConfig(r=4, target_modules="all-linear"))
+    randomize_megatron(model)
+    first, second = model.decoder.layers[0], model.decoder.layers[1]
+    assert first.input_needs_grad is False and not hasattr(second, "input_needs_grad")
+    assert not getattr(model, "_lora_input_hook", None)
+    seen = []
+    for layer in (first, second):
+        layer.register_forward_pre_hook(
+            lambda m, a, k: seen.append(k["hidden_states"].requires_grad), with_kwargs=True
+        )
+    _loss(model, tokens()).backward()
+    assert seen == [False, True]
+    got = _adapter_grads(model)
+
+    model.zero_grad(set_to_none=True)
+    hook = model.embedding.register_forward_hook(_require_grad_hook)  # as every run did before
+    _loss(model, tokens()).backward()
+    hook.remove()
+    want = _adapter_grads(model)
+    assert sorted(got) == sorted(want) and all(g.abs().max() > 0 for g in got.values())
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+    # megatron's CUDA-graph samples (made on the current CUDA device: here the host)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    assert not first.get_layer_static_inputs(8, 1)["hidden_states"].requires_grad
+    assert second.get_layer_static_inputs(8, 1)["hidden_states"].requires_grad
+    with pytest.raises(RuntimeError, match="captured without its input's gradient"):
+        first._te_cuda_graph_replay(hidden_states=torch.zeros(8, 1, 4, requires_grad=True))
+
+    # virtual pipelining may hand this layer's sample to another layer: it keeps the gradient there
+    monkeypatch.setattr(model.config, "virtual_pipeline_model_parallel_size", 2)
+    mark_first_layer_input(model, needs_grad=False)
+    assert first.input_needs_grad is True
+    assert first.get_layer_static_inputs(8, 1)["hidden_states"].requires_grad
+
+
+def test_recompute_keeps_the_first_layer_input_gradient(hf, single_rank):  # noqa: F811
+    """Under recompute (full, or selective: megatron's reentrant checkpoints around the MLP or MoE) the
+    decoder's input requires grad, so a recomputed block's adapters get gradients."""
+    for recompute in (RECOMPUTE, dict(recompute_granularity="selective", recompute_modules=["mlp"])):
+        model = ts.build_model(hf, lora=LoraConfig(r=4, target_modules=["up_proj"]), **recompute)
+        assert model._lora_input_hook is not None and model.decoder.layers[0].input_needs_grad is True
+
+
 def test_short_training_lowers_loss_and_keeps_base(hf, single_rank, host_rng):  # noqa: F811
     model = ts.build_model(hf, lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"), **RECOMPUTE)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not is_adapter_param(n)}

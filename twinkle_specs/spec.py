@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from .gdn import packed_bounds
+from .graph_io import record_sample, write_output_into_next_input
 from .hybrid_spec import hybrid_layer_submodules, is_hybrid
 
 
@@ -158,6 +159,14 @@ PACKED_ROWS_UNDER_TE_GRAPHS = (
 )
 
 
+FIRST_LAYER_INPUT_GRAD = (
+    "the first decoder layer's CUDA graph was captured without its input's gradient (a LoRA model's frozen "
+    "embedding, no recompute: prepare_lora_model), yet its input now requires grad, whose gradient the graph "
+    "would drop. Call prepare_lora_model after anything that makes the embedding's output require grad, or "
+    "set layer.input_needs_grad = True on the model's first decoder layer before the capture"
+)
+
+
 class QwenTransformerLayer(TransformerLayer):
     """A megatron-core TransformerLayer whose submodules come from its config (see module docstring)."""
 
@@ -172,10 +181,27 @@ class QwenTransformerLayer(TransformerLayer):
         if submodules is None:
             submodules = qwen_layer_submodules(config, _global_layer_index(config, layer_number, kwargs))
         super().__init__(config, submodules, layer_number, *args, **kwargs)
+        if not isinstance(self.mlp_bda, torch.nn.Module):  # megatron's bias-dropout-add function
+            write_output_into_next_input(self)
+
+    def get_layer_static_inputs(self, seq_length: int, micro_batch_size: int) -> dict[str, torch.Tensor]:
+        """megatron's CUDA-graph sample inputs, recorded for the layer before this one to write its output
+        into (:mod:`twinkle_specs.graph_io`); for the first layer of a LoRA model whose input needs no
+        gradient (``input_needs_grad``, set by :func:`~twinkle_specs.lora.model.mark_first_layer_input`) a
+        sample without one, so the captured backward skips that input gradient as eager does."""
+        inputs = super().get_layer_static_inputs(seq_length, micro_batch_size)
+        if not getattr(self, "input_needs_grad", True):
+            inputs["hidden_states"].requires_grad_(False)
+        record_sample(self, inputs["hidden_states"])
+        return inputs
 
     def _te_cuda_graph_replay(self, *args: Any, **kwargs: Any) -> Any:
         """Megatron's TE CUDA graph replay; a packed micro-batch (``--sft``), which its replay takes only
-        where the attention runs outside the graphs, is refused with what to do instead of its bare assert."""
+        where the attention runs outside the graphs, is refused with what to do instead of its bare assert.
+        An input that requires grad under a graph captured without its gradient is refused too."""
+        hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+        if not getattr(self, "input_needs_grad", True) and getattr(hidden_states, "requires_grad", False):
+            raise RuntimeError(FIRST_LAYER_INPUT_GRAD)
         try:
             return super()._te_cuda_graph_replay(*args, **kwargs)
         except AssertionError as err:

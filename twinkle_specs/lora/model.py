@@ -36,11 +36,15 @@ def _require_grad_hook(_module: torch.nn.Module, _inputs: tuple, output: torch.T
 def prepare_lora_model(model) -> None:
     """Freezes every base parameter (embeddings, norms, output layer too) and keeps adapters trainable.
 
-    With the embedding frozen, the decoder's input does not require grad, so a fully recomputed layer
-    block (megatron's reentrant checkpoint) produces an output without a graph and its adapters never
-    get gradients. As PEFT's ``enable_input_require_grads`` does, the embedding output is made to
-    require grad (a leaf with no weight gradient to compute), which lets that backward run. Stages
-    without the embedding receive activations that already require grad. Idempotent.
+    With the embedding frozen, the decoder's input does not require grad, so a recomputed block
+    (megatron's reentrant checkpoints: full recompute, and selective recompute of the MLP or MoE) whose
+    input has no gradient produces an output without a graph and its adapters never get gradients. Under
+    recompute, as PEFT's ``enable_input_require_grads`` does, the embedding output is made to require grad
+    (a leaf with no weight gradient to compute), which lets that backward run; likewise under megatron's own
+    CUDA graphs (:func:`_input_needs_grad`). Otherwise it is left without one: the first layer's input gradient would be computed only to be dropped (its QKV's
+    input-gradient GEMM and its norm's backward), and :func:`mark_first_layer_input` tells that layer's
+    CUDA-graph capture so. Stages without the embedding receive activations that already require grad.
+    Idempotent.
     """
     if not adapter_parameters(model):
         raise ValueError(
@@ -50,12 +54,43 @@ def prepare_lora_model(model) -> None:
         for name, param in chunk.named_parameters():
             param.requires_grad_(is_adapter_param(name))
         embedding = getattr(chunk, "embedding", None)
-        if embedding is not None and not getattr(chunk, "_lora_input_hook", None):
+        needs_grad = _input_needs_grad(chunk.config)
+        if embedding is not None and needs_grad and not getattr(chunk, "_lora_input_hook", None):
             chunk._lora_input_hook = embedding.register_forward_hook(_require_grad_hook)
+        if embedding is not None:
+            mark_first_layer_input(chunk, needs_grad=needs_grad)
         link_input_recipes(chunk)
         keep_routed_counts_on_device(chunk)
         share_frozen_fp8_copies(chunk)
     bank_lora_factors(model)
+
+
+def _input_needs_grad(config: Any) -> bool:
+    """Whether the decoder's input must require grad: under recompute (a reentrant checkpoint's output has
+    a graph only if an input requires grad) and under megatron's own CUDA graphs (``cuda_graph_impl
+    local``: its capture differentiates each layer's output by the layer's inputs alone)."""
+    local_graphs = getattr(config, "cuda_graph_impl", "none") == "local" or getattr(
+        config, "enable_cuda_graph", False
+    )
+    return config.recompute_granularity is not None or local_graphs
+
+
+def mark_first_layer_input(chunk: torch.nn.Module, needs_grad: bool) -> None:
+    """Tells the first decoder layer of the chunk holding the embedding whether its input will require
+    grad (``input_needs_grad``, read by :class:`~twinkle_specs.spec.QwenTransformerLayer` when megatron
+    makes its CUDA-graph sample input). megatron's sample always requires grad, so the captured backward
+    would compute the input gradient that eager skips. Left requiring grad under virtual pipelining or
+    megatron's per-layer MoE overlap schedule: there megatron and Transformer Engine may hand one layer's
+    sample buffer to another layer of the same shapes, and a sample without grad under a layer whose
+    input needs it would drop that gradient."""
+    layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+    if not layers:
+        return
+    config = chunk.config
+    shared_samples = (getattr(config, "virtual_pipeline_model_parallel_size", None) or 1) > 1 or getattr(
+        config, "overlap_moe_expert_parallel_comm", False
+    )
+    layers[0].input_needs_grad = needs_grad or shared_samples
 
 
 def bank_lora_factors(model) -> None:
