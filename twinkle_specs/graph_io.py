@@ -4,10 +4,10 @@ per-layer CUDA graphs (``--cuda-graph-impl transformer_engine``).
 Each captured layer reads a static input buffer (the sample megatron makes for it,
 ``get_layer_static_inputs``) and writes its output into memory of the graphs' pool; on replay, Transformer
 Engine copies each layer's input into that layer's buffer unless it is that buffer already. So every layer
-after the first paid a copy of the hidden states per micro-batch: 36 a step at the Qwen3-8B shape, each a
-[4096, 4096] bf16 read and write. Here the layer's last operation, the residual add (megatron's
-bias-dropout-add with no bias and no active dropout), writes into the next layer's buffer while it is
-captured, so the replayed output *is* the next input and nothing is copied. The sum is the same
+paid a copy of the hidden states per micro-batch ([4096, 4096] bf16 read and written at the Qwen3-8B shape).
+Here the layer's last operation, the residual add (megatron's bias-dropout-add with no bias and no active
+dropout), writes into the next layer's buffer while it is captured, so the replayed output *is* the next
+input and only the first layer's input (the embedding's output) is copied. The sum is the same
 ``residual + x`` rounded once.
 
 Only where each layer has one sample buffer (:func:`record_sample`): one pipeline stage, where megatron and
@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-_SAMPLES = (
-    "_twinkle_graph_samples"  # on the model's TransformerConfig: {layer_number: [hidden_states sample]}
-)
+# on the model's TransformerConfig: {layer_number: [the hidden_states samples megatron made for it]}
+_SAMPLES = "_twinkle_graph_samples"
 
 
 def record_sample(layer: torch.nn.Module, hidden_states: torch.Tensor) -> None:

@@ -38,13 +38,13 @@ def prepare_lora_model(model) -> None:
 
     With the embedding frozen, the decoder's input does not require grad, so a recomputed block
     (megatron's reentrant checkpoints: full recompute, and selective recompute of the MLP or MoE) whose
-    input has no gradient produces an output without a graph and its adapters never get gradients. Under
-    recompute, as PEFT's ``enable_input_require_grads`` does, the embedding output is made to require grad
-    (a leaf with no weight gradient to compute), which lets that backward run; likewise under megatron's own
-    CUDA graphs (:func:`_input_needs_grad`). Otherwise it is left without one: the first layer's input gradient would be computed only to be dropped (its QKV's
-    input-gradient GEMM and its norm's backward), and :func:`mark_first_layer_input` tells that layer's
-    CUDA-graph capture so. Stages without the embedding receive activations that already require grad.
-    Idempotent.
+    input has no gradient produces an output without a graph and its adapters never get gradients. There,
+    as PEFT's ``enable_input_require_grads`` does, the embedding output is made to require grad (a leaf
+    with no weight gradient to compute), which lets that backward run; likewise under megatron's own CUDA
+    graphs (:func:`_input_needs_grad`). Otherwise it is left without one: the first layer's input
+    gradient (its QKV's input-gradient GEMM, its norm's backward) would be computed only to be dropped,
+    and :func:`mark_first_layer_input` tells that layer's CUDA-graph capture so. Stages without the
+    embedding receive activations that already require grad. Idempotent.
     """
     if not adapter_parameters(model):
         raise ValueError(
