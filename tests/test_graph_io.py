@@ -48,19 +48,21 @@ def test_output_goes_into_the_next_layers_sample(model, capturing):
     sample = torch.ones(8, 1, 64, requires_grad=True)  # as megatron makes it
     record_sample(second, sample)
     out = _add(first, x, residual)
-    assert out.data_ptr() == sample.data_ptr()
+    assert out.data_ptr() == sample.data_ptr() and type(out.grad_fn).__name__ == "_AddIntoBackward"
     assert torch.equal(out, residual + x) and torch.equal(sample.detach(), residual + x)
     (out * torch.arange(64.0)).sum().backward()
     assert torch.equal(residual.grad, x.grad) and torch.equal(x.grad[0, 0], torch.arange(64.0))
 
 
-@pytest.mark.parametrize("case", ["two samples", "last layer", "bias", "dropout", "shape", "not capturing"])
+@pytest.mark.parametrize(
+    "case", ["two samples", "freed", "last layer", "bias", "dropout", "shape", "not capturing"]
+)
 def test_megatrons_add_runs_elsewhere(model, capturing, monkeypatch, case):
     first, second = model.decoder.layers
     model.config.__dict__.pop("_twinkle_graph_samples", None)
     residual, x = _summands()
     sample = torch.zeros(4, 1, 64) if case == "shape" else torch.zeros(8, 1, 64)
-    record_sample(second, sample)
+    record_sample(second, torch.zeros(8, 1, 64) if case == "freed" else sample)  # held weakly: freed at once
     layer, kwargs = first, {}
     if case == "two samples":  # several micro-batches in flight: a buffer each
         record_sample(second, torch.zeros(8, 1, 64))
@@ -76,5 +78,6 @@ def test_megatrons_add_runs_elsewhere(model, capturing, monkeypatch, case):
     torch.manual_seed(0)
     out = _add(layer, x, residual, **kwargs)
     assert out.data_ptr() != sample.data_ptr() and not sample.any()
-    if case in ("two samples", "last layer", "shape", "not capturing"):
+    assert type(out.grad_fn).__name__ != "_AddIntoBackward"  # megatron's function made it
+    if case in ("two samples", "freed", "last layer", "shape", "not capturing"):
         assert torch.equal(out, residual + x)

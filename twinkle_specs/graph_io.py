@@ -17,19 +17,21 @@ stages a layer has several, and its output goes to the graphs' pool as before.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-# on the model's TransformerConfig: {layer_number: [the hidden_states samples megatron made for it]}
+# on the model's TransformerConfig: {layer_number: [weak references to the hidden_states samples made for it]}
 _SAMPLES = "_twinkle_graph_samples"
 
 
 def record_sample(layer: torch.nn.Module, hidden_states: torch.Tensor) -> None:
-    """Remembers a CUDA-graph sample input megatron made for ``layer`` (global ``layer_number``)."""
+    """Remembers a CUDA-graph sample input megatron made for ``layer`` (global ``layer_number``). Weakly: the
+    graphs keep their buffers alive, and a copy of the config does not copy them."""
     samples = layer.config.__dict__.setdefault(_SAMPLES, {})
-    samples.setdefault(layer.layer_number, []).append(hidden_states)
+    samples.setdefault(layer.layer_number, []).append(weakref.ref(hidden_states))
 
 
 def _next_input(layer: torch.nn.Module, like: torch.Tensor) -> torch.Tensor | None:
@@ -38,7 +40,9 @@ def _next_input(layer: torch.nn.Module, like: torch.Tensor) -> torch.Tensor | No
     buffers = layer.config.__dict__.get(_SAMPLES, {}).get(layer.layer_number + 1, [])
     if len(buffers) != 1 or layer.layer_number >= layer.config.num_layers:
         return None
-    buffer = buffers[0]
+    buffer = buffers[0]()
+    if buffer is None:
+        return None
     fits = buffer.shape == like.shape and buffer.dtype == like.dtype and buffer.device == like.device
     return buffer if fits and buffer.is_contiguous() else None
 
