@@ -142,7 +142,7 @@ def test_first_layer_input_gradient_is_not_computed_without_recompute(hf, single
     got = _adapter_grads(model)
 
     model.zero_grad(set_to_none=True)
-    hook = model.embedding.register_forward_hook(_require_grad_hook)  # as every run did before
+    hook = model.embedding.register_forward_hook(_require_grad_hook)  # the input requiring grad
     _loss(model, tokens()).backward()
     hook.remove()
     want = _adapter_grads(model)
@@ -165,7 +165,14 @@ def test_first_layer_input_gradient_is_not_computed_without_recompute(hf, single
 
 def test_recompute_keeps_the_first_layer_input_gradient(hf, single_rank):  # noqa: F811
     """Under recompute (full, or selective: megatron's reentrant checkpoints around the MLP or MoE) the
-    decoder's input requires grad, so a recomputed block's adapters get gradients."""
+    decoder's input requires grad, so a recomputed block's adapters get gradients; so does it under megatron's
+    own CUDA graphs (their capture differentiates by the layer's inputs), not under TE's."""
+    from types import SimpleNamespace
+
+    from twinkle_specs.lora.model import _input_needs_grad
+
+    for impl, needed in (("local", True), ("transformer_engine", False), ("none", False)):
+        assert _input_needs_grad(SimpleNamespace(recompute_granularity=None, cuda_graph_impl=impl)) is needed
     for recompute in (RECOMPUTE, dict(recompute_granularity="selective", recompute_modules=["mlp"])):
         model = ts.build_model(hf, lora=LoraConfig(r=4, target_modules=["up_proj"]), **recompute)
         assert model._lora_input_hook is not None and model.decoder.layers[0].input_needs_grad is True

@@ -74,10 +74,11 @@ class OutputIntoNextInput:
 
         def bias_dropout_add(x_with_bias: tuple, residual: torch.Tensor, prob: float) -> torch.Tensor:
             x, bias = x_with_bias
-            plain = bias is None and (prob == 0.0 or not training) and x.shape == residual.shape
-            if plain and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            plain = bias is None and (prob == 0.0 or not training)
+            same = x.shape == residual.shape and x.dtype == residual.dtype
+            if plain and same and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 out = _next_input(self.layer, residual)
-                if out is not None and x.dtype == residual.dtype:
+                if out is not None:
                     return _AddInto.apply(residual, x, out.detach())
             return inner(x_with_bias, residual, prob)
 

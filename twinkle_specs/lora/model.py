@@ -68,11 +68,9 @@ def prepare_lora_model(model) -> None:
 def _input_needs_grad(config: Any) -> bool:
     """Whether the decoder's input must require grad: under recompute (a reentrant checkpoint's output has
     a graph only if an input requires grad) and under megatron's own CUDA graphs (``cuda_graph_impl
-    local``: its capture differentiates each layer's output by the layer's inputs alone)."""
-    local_graphs = getattr(config, "cuda_graph_impl", "none") == "local" or getattr(
-        config, "enable_cuda_graph", False
-    )
-    return config.recompute_granularity is not None or local_graphs
+    local``, which megatron's config also sets for the deprecated ``enable_cuda_graph``: its capture
+    differentiates each layer's output by the layer's inputs alone)."""
+    return config.recompute_granularity is not None or getattr(config, "cuda_graph_impl", "none") == "local"
 
 
 def mark_first_layer_input(chunk: torch.nn.Module, needs_grad: bool) -> None:
@@ -87,9 +85,8 @@ def mark_first_layer_input(chunk: torch.nn.Module, needs_grad: bool) -> None:
     if not layers:
         return
     config = chunk.config
-    shared_samples = (getattr(config, "virtual_pipeline_model_parallel_size", None) or 1) > 1 or getattr(
-        config, "overlap_moe_expert_parallel_comm", False
-    )
+    virtual_stages = getattr(config, "virtual_pipeline_model_parallel_size", None) or 1
+    shared_samples = virtual_stages > 1 or getattr(config, "overlap_moe_expert_parallel_comm", False)
     layers[0].input_needs_grad = needs_grad or shared_samples
 
 
