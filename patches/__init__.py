@@ -16,6 +16,7 @@ from . import (
     cuda_device_on_host,
     grad_norm_on_device,
     moe_counts_on_device,
+    moe_permute_fixed_size,
     moe_single_rank_sort,
     packed_seq_1d,
     rope_on_host,
@@ -32,6 +33,7 @@ PATCHES = [
     cross_entropy_without_sync,
     moe_single_rank_sort,
     moe_counts_on_device,
+    moe_permute_fixed_size,
     packed_seq_1d,
 ]
 OFF_ENV = "TWINKLE_PATCHES_OFF"

@@ -1,5 +1,6 @@
 """The MoE dispatch patches' logic on a CPU host (patches/moe_single_rank_sort.py,
-patches/moe_counts_on_device.py); their no-sync evidence is tests/test_patches_gpu.py.
+patches/moe_counts_on_device.py, patches/moe_permute_fixed_size.py); their no-sync evidence is
+tests/test_patches_gpu.py, the capture of whole MoE layers tests/test_launch_gpu.py.
 
 With one expert- and tensor-parallel rank megatron's all-to-all dispatcher sorts the routed tokens by a
 chunk order that is the identity, and copies the experts' token counts to the host for experts that
@@ -17,7 +18,7 @@ import torch
 from test_lora_moe_memory import EXPERTS, HIDDEN, TOKENS, _moe_layer, _step, cpu_recompute  # noqa: F401
 from test_lora_support import single_rank  # noqa: F401  (fixture)
 from test_lora_te_standin import te  # noqa: F401  (fixture)
-from twinkle_specs.patches import moe_counts_on_device, moe_single_rank_sort
+from twinkle_specs.patches import moe_counts_on_device, moe_permute_fixed_size, moe_single_rank_sort
 
 from twinkle_specs.lora import experts as lora_experts
 from twinkle_specs.lora.model import keep_routed_counts_on_device
@@ -204,3 +205,67 @@ def test_capture_that_would_wait_is_refused_with_the_scope_to_use(monkeypatch, c
         wrapped(needs_host, waits_at, counts)
     assert "--cuda-graph-scope attn moe_router moe_preprocess" in str(refused.value)
     assert calls == ["before_permutation_1"]
+
+
+def _routing(tokens: int, experts: int, topk: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """A dropless top-k routing map [tokens, experts], router probabilities and hidden states."""
+    g = torch.Generator().manual_seed(seed)
+    top = torch.rand(tokens, experts, generator=g).topk(topk, dim=1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, top, True)
+    return routing_map, torch.rand(tokens, experts, generator=g), torch.randn(tokens, 6, generator=g)
+
+
+@pytest.mark.parametrize("with_probs", [False, True], ids=["tokens", "tokens_and_probs"])
+def test_fixed_size_permute_equals_upstreams(with_probs):
+    """The dropless permute by argsort gives megatron's own permute's tokens, probabilities and indices bit
+    for bit (on core 0.16 upstream takes them by masked_select, on 0.19 by the same argsort), and the
+    masked_select of core 0.16 in the same order, without calling upstream."""
+    from megatron.core.transformer.moe import moe_utils
+
+    routing_map, probs, tokens = _routing(tokens=37, experts=8, topk=2)
+    probs = probs if with_probs else None
+    calls = []
+    permute = moe_permute_fixed_size.fixed_size(lambda *a: calls.append(a))
+    got = permute(tokens, routing_map, probs=probs, num_out_tokens=37 * 2)
+    upstream = moe_utils.permute(tokens, routing_map, probs=probs, num_out_tokens=37 * 2)[:3]
+    mask = routing_map.T.contiguous()
+    selected = torch.arange(37).expand(8, -1).masked_select(mask)
+    assert calls == []
+    assert torch.equal(got[2], upstream[2]) and torch.equal(got[2], selected)
+    assert torch.equal(got[0], upstream[0]) and torch.equal(got[0], tokens[selected])
+    if with_probs:
+        assert torch.equal(got[1], upstream[1]) and torch.equal(got[1], probs.T.contiguous()[mask])
+    else:
+        assert got[1] is None and upstream[1] is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"fused": True}, {"drop_and_pad": True}, {"num_out_tokens": torch.tensor(74)}, {"num_out_tokens": None}],
+    ids=["fused", "drop_and_pad", "size_on_gpu", "size_unknown"],
+)
+def test_fixed_size_permute_leaves_other_calls_to_upstream(change):
+    """A fused permute, a capacity dispatch and a size the host does not hold go to upstream's permute
+    with the arguments they came with."""
+    routing_map, probs, tokens = _routing(tokens=37, experts=8, topk=2)
+    calls = []
+    permute = moe_permute_fixed_size.fixed_size(lambda *a: calls.append(a) or "upstream")
+    args = {"probs": probs, "num_out_tokens": 74, "fused": False, "drop_and_pad": False, **change}
+    assert permute(tokens, routing_map, **args) == "upstream"
+    assert len(calls) == 1 and calls[0][:3] == (tokens, routing_map, probs)
+    assert calls[0][3] is args["num_out_tokens"] and calls[0][4:] == (args["fused"], args["drop_and_pad"])
+
+
+def test_fixed_size_permute_is_applied_to_the_dispatchers_name_on_core_0_16_only(monkeypatch):
+    """Core 0.16's dispatcher module gets the wrapper once (applying twice wraps once); core 0.19, whose
+    permute already takes the argsort, does not need it."""
+    from megatron.core.transformer.moe import token_dispatcher
+    from twinkle_specs.patches.gates import megatron_core_in
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert moe_permute_fixed_size.is_needed() == megatron_core_in("0.16", "0.17")
+    upstream = token_dispatcher.permute
+    monkeypatch.setattr(token_dispatcher, "permute", upstream)
+    moe_permute_fixed_size.apply()
+    moe_permute_fixed_size.apply()
+    assert token_dispatcher.permute.fixed_size and token_dispatcher.permute.__wrapped__ is upstream

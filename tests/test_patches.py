@@ -131,10 +131,17 @@ def test_gpu_patches_stay_off_on_cpu_hosts():
         cross_entropy_without_sync,
         grad_norm_on_device,
         moe_counts_on_device,
+        moe_permute_fixed_size,
         moe_single_rank_sort,
     )
 
-    gpu_only = [grad_norm_on_device, cross_entropy_without_sync, moe_single_rank_sort, moe_counts_on_device]
+    gpu_only = [
+        grad_norm_on_device,
+        cross_entropy_without_sync,
+        moe_single_rank_sort,
+        moe_counts_on_device,
+        moe_permute_fixed_size,
+    ]
     assert not any(p.is_needed() for p in gpu_only)
 
 
