@@ -24,7 +24,7 @@ def test_lanes_run_side_by_side_and_come_back_in_one_archive(tmp_path):
         "def test_sees_its_lane():\n"
         "    env = os.environ\n"
         "    pathlib.Path(env['TWINKLE_EVIDENCE_DIR'], 'lane.txt').write_text("
-        "env['CUDA_VISIBLE_DEVICES'] + ' ' + env['PYTEST_XDIST_WORKER'])\n"
+        "env['CUDA_VISIBLE_DEVICES'] + ' ' + env['PYTEST_XDIST_WORKER'] + ' ' + env.get('PROBE', '-'))\n"
         "def test_a_or_b():\n    pass\n"
         "def test_slow():\n    time.sleep(60)\n"
     )
@@ -36,7 +36,7 @@ def test_lanes_run_side_by_side_and_come_back_in_one_archive(tmp_path):
             "bash",
             str(LANES),
             "15",
-            f'0|{tmp_path}/test_probe.py -m "" -k "sees or a_or_b"',
+            f'0|PROBE="set here" X=1 {tmp_path}/test_probe.py -m "" -k "sees or a_or_b"',
             f"1|{tmp_path}/test_probe.py -m '' -k slow",
         ],
         capture_output=True,
@@ -55,7 +55,9 @@ def test_lanes_run_side_by_side_and_come_back_in_one_archive(tmp_path):
         names = set(archive.getnames())
         seen = archive.extractfile("lanes/ev/lane.txt").read().decode()
     assert {"lanes/logs/lane1.log", "lanes/logs/lane2.log"} <= names
-    assert seen == "0 gw1"  # the lane's GPUs, its own worker name; its evidence folder came back
+    # the lane's GPUs, its own worker name and the environment its leading NAME=VALUE words set (quoted as the
+    # shell quotes); its evidence folder came back
+    assert seen == "0 gw1 set here"
 
 
 def test_lanes_without_a_lane_say_how_to_call_them():
