@@ -11,10 +11,10 @@
 #   "0|MEGATRON_LM_ROOT=/tmp/gpu/mlm16 PYTHONPATH=/tmp/gpu/mlm16:\$PYTHONPATH tests/test_launch_gpu.py -k graphs"
 # Lanes start together: give them distinct GPUs. Each has its own PYTEST_XDIST_WORKER, so the launch tests'
 # rendezvous ports come from distinct blocks: eight (tests/conftest.py, free_port), so at most eight lanes, and
-# a pytest started beside them takes a worker name between theirs and gw7. A vLLM lane (tests/test_vllm_gpu.py) needs a GPU no other lane
-# uses: vLLM's start-up refuses to run while another process frees GPU memory. "rc 124" is a lane its limit
-# stopped: the test then running and those after it did not finish (they did not fail). Leave a call's limit
-# some seconds above LIMIT_S.
+# a pytest started beside them takes a worker name between theirs and gw7. A vLLM lane (tests/test_vllm_gpu.py)
+# needs a GPU no other lane uses: vLLM's start-up refuses to run while another process frees GPU memory.
+# "rc 124" is a lane its limit stopped: the test then running and those after it did not finish (they did not
+# fail). Leave a call's limit some seconds above LIMIT_S.
 set -uo pipefail
 if [ $# -lt 2 ]; then
   sed -n '2,17p' "$0" >&2

@@ -54,10 +54,10 @@ def prepare_lora_model(model) -> None:
         for name, param in chunk.named_parameters():
             param.requires_grad_(is_adapter_param(name))
         embedding = getattr(chunk, "embedding", None)
-        needs_grad = _input_needs_grad(chunk.config)
-        if embedding is not None and needs_grad and not getattr(chunk, "_lora_input_hook", None):
-            chunk._lora_input_hook = embedding.register_forward_hook(_require_grad_hook)
         if embedding is not None:
+            needs_grad = _input_needs_grad(chunk.config)
+            if needs_grad and not getattr(chunk, "_lora_input_hook", None):
+                chunk._lora_input_hook = embedding.register_forward_hook(_require_grad_hook)
             mark_first_layer_input(chunk, needs_grad=needs_grad)
         link_input_recipes(chunk)
         keep_routed_counts_on_device(chunk)
