@@ -676,21 +676,25 @@ def test_hybrid_cp2_two_gpus(e2e, single_gpu, flags):
 
 
 HYBRID_LAYOUTS = {
-    "qwen3_5-tp2-sp": ("qwen3_5_vl", LORA, TP2_SP, 1),
-    "qwen3_5-pp2": ("qwen3_5_vl", LORA, ("--pipeline-model-parallel-size", "2"), 1),
-    "qwen3_5_moe-ep2": ("qwen3_5_moe", (*MOE, *LORA), ("--expert-model-parallel-size", "2"), 2),
+    "qwen3_5-tp2-sp": ("qwen3_5_vl", (), TP2_SP, 1),
+    "qwen3_5-pp2": ("qwen3_5_vl", (), ("--pipeline-model-parallel-size", "2"), 1),
+    "qwen3_5_moe-ep2": ("qwen3_5_moe", MOE, ("--expert-model-parallel-size", "2"), 2),
 }
 
 
 @two_gpus()
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 @pytest.mark.parametrize("name", list(HYBRID_LAYOUTS))
-def test_hybrid_lora_layouts_two_gpus(e2e, single_gpu, name):
-    """The hybrids' LoRA across GPUs: Qwen3.5 (the multimodal checkpoint) at TP=2 with sequence parallel
-    (the Gated DeltaNet's heads and their adapters split over the ranks) and at PP=2 (a linear and a full
-    layer per stage), Qwen3.5-MoE at EP=2 (the dense part DP=2): iteration 1 against transformers, the
-    curve against one GPU, identical replicas, the exported adapter in peft against iteration 6."""
-    kind, flags, layout, dp = HYBRID_LAYOUTS[name]
-    train_and_check_layout(e2e, single_gpu, "lora-" + name, kind, flags, layout, dp=dp, nproc=2)
+def test_hybrid_layouts_two_gpus(e2e, single_gpu, name, lora):
+    """The hybrids across GPUs, LoRA and full: Qwen3.5 (the multimodal checkpoint) at TP=2 with sequence
+    parallel (the Gated DeltaNet's heads, and their adapters, split over the ranks) and at PP=2 (a linear
+    and a full layer per stage), Qwen3.5-MoE at EP=2 (the dense part DP=2): iteration 1 against
+    transformers, the curve against one GPU, identical replicas, the export (the adapter in peft, or the
+    full weights in transformers) against iteration 6."""
+    kind, base, layout, dp = HYBRID_LAYOUTS[name]
+    flags = (*base, *LORA) if lora else base
+    run = ("lora-" if lora else "full-") + name
+    train_and_check_layout(e2e, single_gpu, run, kind, flags, layout, dp=dp, nproc=2)
 
 
 @four_gpus()
