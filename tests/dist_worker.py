@@ -44,6 +44,7 @@ def _layout(argv: list[str]) -> None:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--sp", action="store_true", help="sequence parallel (with --tp > 1)")
     ap.add_argument("--tokens", help="a torch.save'd [b, s] token tensor (default: models.batch())")
+    ap.add_argument("--moe-router-dtype", help="megatron's moe_router_dtype (e.g. fp64)")
     args = ap.parse_args(argv)
     on_gpu = torch.cuda.is_available()
     with _no_cuda_rng_fork() if args.sp and not on_gpu else contextlib.nullcontext():
@@ -70,7 +71,8 @@ def _run_layout(args: argparse.Namespace, on_gpu: bool) -> None:
     import twinkle_specs as ts
 
     ps.initialize_model_parallel(args.tp, args.pp, expert_model_parallel_size=args.ep)
-    model = ts.build_model(args.hf, load_weights=False, sequence_parallel=args.sp).eval()
+    router = {"moe_router_dtype": args.moe_router_dtype} if args.moe_router_dtype else {}
+    model = ts.build_model(args.hf, load_weights=False, sequence_parallel=args.sp, **router).eval()
     report = ts.load_hf_weights(model, args.hf)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
