@@ -37,7 +37,7 @@ def test_lanes_run_side_by_side_and_come_back_in_one_archive(tmp_path):
             str(LANES),
             "15",
             f'0|PROBE="set here" X=1 {tmp_path}/test_probe.py -m "" -k "sees or a_or_b"',
-            f"1|{tmp_path}/test_probe.py -m '' -k slow",
+            f"1|{tmp_path}/test_probe.py -m '' -k 'sees or slow'",
         ],
         capture_output=True,
         text=True,
@@ -53,11 +53,11 @@ def test_lanes_run_side_by_side_and_come_back_in_one_archive(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["lanes.tgz"]
     with tarfile.open(out / "lanes.tgz") as archive:
         names = set(archive.getnames())
-        seen = archive.extractfile("lanes/ev/lane.txt").read().decode()
+        seen = [archive.extractfile(f"lanes/ev/lane{n}/lane.txt").read().decode() for n in (1, 2)]
     assert {"lanes/logs/lane1.log", "lanes/logs/lane2.log"} <= names
-    # the lane's GPUs, its own worker name and the environment its leading NAME=VALUE words set (quoted as the
-    # shell quotes); its evidence folder came back
-    assert seen == "0 gw1 set here"
+    # each lane's GPUs, its own worker name and the environment its leading NAME=VALUE words set (quoted as
+    # the shell quotes); each lane's evidence came back in its own folder (the same test wrote both)
+    assert seen == ["0 gw1 set here", "1 gw2 -"]
 
 
 def test_lanes_without_a_lane_say_how_to_call_them():

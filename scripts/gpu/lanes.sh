@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs GPU test selections side by side on the device machine, one pytest per lane, each under a time limit,
 # and leaves what the device call brings back under $OUT in one archive, lanes.tgz (a call returns at most 8
-# files): each lane's log and the evidence JSON the tests write (TWINKLE_EVIDENCE_DIR). Prints each lane's
-# test lines and its exit status.
+# files): each lane's log and the evidence the tests write, in a folder per lane (TWINKLE_EVIDENCE_DIR =
+# lanes/ev/laneN: the same test in two lanes, e.g. two megatron-cores, keeps both records). Prints each
+# lane's test lines and its exit status.
 #   bash scripts/gpu/lanes.sh LIMIT_S "GPUS|PYTEST ARGS" ["GPUS|PYTEST ARGS" ...]
 # e.g.
 #   bash scripts/gpu/lanes.sh 480 "0|tests/test_patches_gpu.py tests/test_convert.py" "1|tests/test_sft_gpu.py"
@@ -27,7 +28,6 @@ shift
 out=${OUT:?OUT is not set: the device call sets it to the folder it brings back}
 work=$out/lanes
 mkdir -p "$work/logs" "$work/ev"
-export TWINKLE_EVIDENCE_DIR=$work/ev
 n=0
 for lane in "$@"; do
   n=$((n + 1))
@@ -40,7 +40,9 @@ for lane in "$@"; do
     args=("${args[@]:1}")
   done
   (
-    CUDA_VISIBLE_DEVICES=$gpus PYTEST_XDIST_WORKER=gw$n env "${lane_env[@]}" timeout "$limit" \
+    mkdir -p "$work/ev/lane$n"
+    CUDA_VISIBLE_DEVICES=$gpus PYTEST_XDIST_WORKER=gw$n TWINKLE_EVIDENCE_DIR=$work/ev/lane$n \
+      env "${lane_env[@]}" timeout "$limit" \
       "${PYTHON:-python}" -m pytest -v -rs -m gpu -p no:cacheprovider "${args[@]}" >"$work/logs/lane$n.log" 2>&1
     # on a line of its own: a stopped test leaves its line unterminated
     printf '\nlane %s (GPUs %s) rc %s\n' "$n" "$gpus" "$?" >>"$work/logs/lane$n.log"
