@@ -15,6 +15,7 @@ from . import (
     cross_entropy_without_sync,
     cuda_device_on_host,
     grad_norm_on_device,
+    local_graph_inputs_kept,
     moe_counts_on_device,
     moe_permute_fixed_size,
     moe_single_rank_sort,
@@ -34,6 +35,7 @@ PATCHES = [
     moe_single_rank_sort,
     moe_counts_on_device,
     moe_permute_fixed_size,
+    local_graph_inputs_kept,
     packed_seq_1d,
 ]
 OFF_ENV = "TWINKLE_PATCHES_OFF"

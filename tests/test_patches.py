@@ -130,6 +130,7 @@ def test_gpu_patches_stay_off_on_cpu_hosts():
     from twinkle_specs.patches import (
         cross_entropy_without_sync,
         grad_norm_on_device,
+        local_graph_inputs_kept,
         moe_counts_on_device,
         moe_permute_fixed_size,
         moe_single_rank_sort,
@@ -141,6 +142,7 @@ def test_gpu_patches_stay_off_on_cpu_hosts():
         moe_single_rank_sort,
         moe_counts_on_device,
         moe_permute_fixed_size,
+        local_graph_inputs_kept,
     ]
     assert not any(p.is_needed() for p in gpu_only)
 
