@@ -65,8 +65,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--address",
         default=None,
-        help="Ray address (host:port or 'auto'); default: RAY_ADDRESS, "
-        "else a running local cluster, else start one",
+        help="Ray address (host:port, or 'auto': any Ray cluster running here); default: RAY_ADDRESS, "
+        "else the cluster `ray start` started on this machine, else start one for this job",
     )
     p.add_argument("--nodes", type=int, default=None, help="nodes to use (default: every node that fits)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPU ranks per node (one GPU each)")
@@ -542,25 +542,29 @@ def read_iteration(ckpt_dir: str | None) -> str | None:
 
 
 def connect(args: argparse.Namespace) -> None:
-    """Join the given/running cluster, or start a local one."""
+    """Join --address (or RAY_ADDRESS); else the cluster `ray start` last started on this machine (the one
+    ray.init() without an address joins); else start a local cluster for this job. Not Ray's "auto", which
+    also joins a cluster another driver started for itself: that one stops with its driver, and a job that
+    joined it with it ("Failed to connect to GCS")."""
     import ray
+    from ray._private.services import find_bootstrap_address  # the address `ray start` records
 
     kwargs: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, **kwargs)
         return
-    try:
-        ray.init(address="auto", **kwargs)
+    recorded = find_bootstrap_address(None)
+    if recorded:
+        log(f"joining the Ray cluster `ray start` started on this machine ({recorded})")
+        ray.init(address=recorded, **kwargs)
         return
-    except ConnectionError:
-        pass
     if args.node_ip_address:
         kwargs["_node_ip_address"] = args.node_ip_address
     if args.num_cpus is not None:
         kwargs["num_cpus"] = args.num_cpus
-    log("no running Ray cluster found: starting a local one")
-    ray.init(**kwargs)
+    log("no Ray cluster started by `ray start` on this machine: starting a local one for this job")
+    ray.init(address="local", **kwargs)
 
 
 def check_log_dir(log_dir: str) -> None:
@@ -615,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
         connect(args)
     except Exception as e:  # noqa: BLE001
         print(
-            f"launch.py: error: cannot connect to or start a Ray cluster ({args.address or 'auto'}): {e}",
+            f"launch.py: error: cannot connect to or start a Ray cluster: {e} (is the cluster of --address "
+            "or RAY_ADDRESS up? one `ray start` recorded on this machine that is gone: `ray stop` clears it)",
             file=sys.stderr,
         )
         return 2

@@ -57,34 +57,25 @@ def _alive_nodes(address: str) -> int:
     return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
 
 
-def test_starts_a_local_cluster_when_none_is_running(tmp_path: Path) -> None:
-    """No --address and no cluster: the driver starts a local Ray, runs the ranks, and stops it again.
+def _launch_without_address(ray_tmpdir: str, out: Path, *launcher_args: str) -> subprocess.CompletedProcess:
+    """launch.py with neither --address nor RAY_ADDRESS, one CPU rank running dist_check.py."""
+    cmd = [sys.executable, str(LAUNCH), *launcher_args, "--entry", sys.executable, "--procs-per-node", "1"]
+    cmd += ["--", str(DIST_CHECK), "--out", str(out)]
+    env = {**_ray_env(), "RAY_TMPDIR": ray_tmpdir}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
 
-    Defined before the tests that use the module's cluster: with a cluster running on this machine the
-    driver would (rightly) connect to it instead.
-    """
+
+LOCAL_START = ("--num-cpus", "2", "--node-ip-address", "127.0.0.1")
+STARTS_ITS_OWN = "no Ray cluster started by `ray start` on this machine: starting a local one for this job"
+
+
+def test_starts_a_local_cluster_when_none_is_running(tmp_path: Path) -> None:
+    """No --address and no cluster: the driver starts a local Ray, runs the ranks, and stops it again."""
     rt = tempfile.mkdtemp(prefix="rl", dir="/tmp")  # RAY_TMPDIR: no other cluster can be found there
     try:
-        env = {**_ray_env(), "RAY_TMPDIR": rt}
-        cmd = [
-            sys.executable,
-            str(LAUNCH),
-            "--num-cpus",
-            "2",
-            "--node-ip-address",
-            "127.0.0.1",
-            "--entry",
-            sys.executable,
-            "--procs-per-node",
-            "1",
-            "--",
-            str(DIST_CHECK),
-            "--out",
-            str(tmp_path),
-        ]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+        res = _launch_without_address(rt, tmp_path, *LOCAL_START)
         assert res.returncode == 0, res.stdout + res.stderr
-        assert "no running Ray cluster found: starting a local one" in res.stdout
+        assert STARTS_ITS_OWN in res.stdout
         rec = json.loads((tmp_path / "rank_0.json").read_text())  # world size 1
         assert rec["allreduce"] == rec["expected"] == 1.0 and rec["env"]["WORLD_SIZE"] == "1"
         assert rec["env"]["MASTER_ADDR"] == "127.0.0.1" and rec["env"]["RANK"] == "0"
@@ -98,10 +89,63 @@ def test_starts_a_local_cluster_when_none_is_running(tmp_path: Path) -> None:
         shutil.rmtree(rt, ignore_errors=True)
 
 
+def test_a_cluster_another_driver_started_is_not_joined(tmp_path: Path) -> None:
+    """Another job's driver started a local cluster for itself (ray.init() without `ray start`): a second
+    launch without --address starts its own instead of joining that one, which stops with its driver and
+    would take this job down with it ("Failed to connect to GCS"; Ray's address "auto" joins it)."""
+    rt = tempfile.mkdtemp(prefix="rl", dir="/tmp")
+    other = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import ray, time; ray.init(num_cpus=1, _node_ip_address='127.0.0.1', include_dashboard=False);"
+            "print(ray.get_runtime_context().gcs_address, flush=True); time.sleep(600)",
+        ],
+        env={**_ray_env(), "RAY_TMPDIR": rt},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        other_address = other.stdout.readline().strip()
+        assert other_address and other.poll() is None, "the other driver's cluster did not start"
+        res = _launch_without_address(rt, tmp_path, *LOCAL_START)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert STARTS_ITS_OWN in res.stdout and other_address not in res.stdout + res.stderr, res.stdout
+        assert json.loads((tmp_path / "rank_0.json").read_text())["allreduce"] == 1.0
+        assert other.poll() is None, "the other job's driver ended"
+    finally:
+        os.killpg(other.pid, signal.SIGKILL)
+        other.wait(timeout=30)
+        subprocess.run(["pkill", "-9", "-f", rt], check=False)
+        shutil.rmtree(rt, ignore_errors=True)
+
+
+def test_joins_the_cluster_ray_start_recorded(cluster: str, cluster_root: str, tmp_path: Path) -> None:
+    """No --address, a cluster `ray start` started on this machine: the driver joins it, as ray.init()
+    without an address would (--num-cpus and --node-ip-address only shape a cluster it starts)."""
+    res = _launch_without_address(cluster_root, tmp_path, *LOCAL_START)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"joining the Ray cluster `ray start` started on this machine ({cluster})" in res.stdout, (
+        res.stdout
+    )
+    assert json.loads((tmp_path / "rank_0.json").read_text())["allreduce"] == 1.0
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
+def cluster_root() -> Iterator[str]:
+    """The RAY_TMPDIR under which the module's `ray start` records its cluster (in ``ray/``, where Ray looks)."""
+    root = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_root: str) -> Iterator[str]:
     """A head node with 4 CPUs on 127.0.0.1, started by `ray start --block` for this module, stopped after."""
-    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
+    temp = os.path.join(cluster_root, "ray")
+    os.mkdir(temp)
     port = free_port()
     address = f"127.0.0.1:{port}"
     log = open(Path(temp) / "head.out", "wb")  # noqa: SIM115
