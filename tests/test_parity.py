@@ -72,8 +72,8 @@ TEST = "test_parallel_layouts_match_and_round_trip"
 
 
 def _worker_args(checkpoints, kind, layout):
-    on_gpu = fp32_router(kind, torch.float32) if torch.cuda.is_available() else {}
-    router = [f"--{k.replace('_', '-')}={v}" for k, v in on_gpu.items()]
+    gpu_router = fp32_router(kind, torch.float32) if torch.cuda.is_available() else {}
+    router = [f"--{k.replace('_', '-')}={v}" for k, v in gpu_router.items()]
     return lambda out: ["--hf", str(checkpoints(kind)), "--out", str(out), *layout, *router]
 
 

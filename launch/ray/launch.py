@@ -541,6 +541,18 @@ def read_iteration(ckpt_dir: str | None) -> str | None:
     return p.read_text().strip() if p.is_file() else None
 
 
+def require_reachable(address: str, what: str) -> None:
+    """Fails at once when nothing listens at a host:port ``address``: ray.init() would wait minutes for a
+    cluster that is not there. Other forms (``auto``, ``ray://``) are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise LaunchError(f"no Ray cluster answers at {address} ({what}): {e}") from None
+
+
 def connect(args: argparse.Namespace) -> None:
     """Join --address (or RAY_ADDRESS); else the cluster `ray start` last started on this machine (the one
     ray.init() without an address joins); else start a local cluster for this job. Not Ray's "auto", which
@@ -552,10 +564,15 @@ def connect(args: argparse.Namespace) -> None:
     kwargs: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:
+        require_reachable(address, "--address" if args.address else "RAY_ADDRESS")
         ray.init(address=address, **kwargs)
         return
     recorded = find_bootstrap_address(None)
     if recorded:
+        require_reachable(
+            recorded,
+            "recorded by `ray start` on this machine; `ray stop` clears the record, or give --address",
+        )
         log(f"joining the Ray cluster `ray start` started on this machine ({recorded})")
         ray.init(address=recorded, **kwargs)
         return
@@ -617,10 +634,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         connect(args)
+    except LaunchError as e:
+        print(f"launch.py: error: {e}", file=sys.stderr)
+        return 2
     except Exception as e:  # noqa: BLE001
         print(
-            f"launch.py: error: cannot connect to or start a Ray cluster: {e} (is the cluster of --address "
-            "or RAY_ADDRESS up? one `ray start` recorded on this machine that is gone: `ray stop` clears it)",
+            f"launch.py: error: cannot connect to or start a Ray cluster: {e}",
             file=sys.stderr,
         )
         return 2

@@ -57,8 +57,9 @@ def _alive_nodes(address: str) -> int:
     return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
 
 
-def _launch_without_address(ray_tmpdir: str, out: Path, *launcher_args: str) -> subprocess.CompletedProcess:
-    """launch.py with neither --address nor RAY_ADDRESS, one CPU rank running dist_check.py."""
+def _launch_one_rank(ray_tmpdir: str, out: Path, *launcher_args: str) -> subprocess.CompletedProcess:
+    """launch.py with one CPU rank running dist_check.py, no RAY_ADDRESS and Ray's temporary folder (where
+    `ray start` records its cluster) at ``ray_tmpdir``."""
     cmd = [sys.executable, str(LAUNCH), *launcher_args, "--entry", sys.executable, "--procs-per-node", "1"]
     cmd += ["--", str(DIST_CHECK), "--out", str(out)]
     env = {**_ray_env(), "RAY_TMPDIR": ray_tmpdir}
@@ -73,7 +74,7 @@ def test_starts_a_local_cluster_when_none_is_running(tmp_path: Path) -> None:
     """No --address and no cluster: the driver starts a local Ray, runs the ranks, and stops it again."""
     rt = tempfile.mkdtemp(prefix="rl", dir="/tmp")  # RAY_TMPDIR: no other cluster can be found there
     try:
-        res = _launch_without_address(rt, tmp_path, *LOCAL_START)
+        res = _launch_one_rank(rt, tmp_path, *LOCAL_START)
         assert res.returncode == 0, res.stdout + res.stderr
         assert STARTS_ITS_OWN in res.stdout
         rec = json.loads((tmp_path / "rank_0.json").read_text())  # world size 1
@@ -110,7 +111,7 @@ def test_a_cluster_another_driver_started_is_not_joined(tmp_path: Path) -> None:
     try:
         other_address = other.stdout.readline().strip()
         assert other_address and other.poll() is None, "the other driver's cluster did not start"
-        res = _launch_without_address(rt, tmp_path, *LOCAL_START)
+        res = _launch_one_rank(rt, tmp_path, *LOCAL_START)
         assert res.returncode == 0, res.stdout + res.stderr
         assert STARTS_ITS_OWN in res.stdout and other_address not in res.stdout + res.stderr, res.stdout
         assert json.loads((tmp_path / "rank_0.json").read_text())["allreduce"] == 1.0
@@ -122,10 +123,33 @@ def test_a_cluster_another_driver_started_is_not_joined(tmp_path: Path) -> None:
         shutil.rmtree(rt, ignore_errors=True)
 
 
+@pytest.mark.parametrize("where", ["recorded", "--address"])
+def test_a_cluster_that_is_gone_is_named_at_once(tmp_path: Path, where: str) -> None:
+    """A `ray start` record left by a cluster that is gone (stopped without `ray stop`), or an --address nothing
+    answers at: exit 2 at once, naming the address and what to do, instead of Ray's minutes of retries."""
+    rt = tempfile.mkdtemp(prefix="rl", dir="/tmp")
+    try:
+        dead = f"127.0.0.1:{free_port()}"
+        if where == "recorded":
+            os.mkdir(os.path.join(rt, "ray"))
+            Path(rt, "ray", "ray_current_cluster").write_text(dead)
+            args: tuple[str, ...] = ()
+        else:
+            args = ("--address", dead)
+        started = time.monotonic()
+        res = _launch_one_rank(rt, tmp_path, *args)
+        assert res.returncode == 2 and time.monotonic() - started < 60, res.stdout + res.stderr
+        assert f"no Ray cluster answers at {dead} (" in res.stderr, res.stderr
+        hint = "`ray stop` clears the record" if where == "recorded" else "(--address)"
+        assert hint in res.stderr, res.stderr
+    finally:
+        shutil.rmtree(rt, ignore_errors=True)
+
+
 def test_joins_the_cluster_ray_start_recorded(cluster: str, cluster_root: str, tmp_path: Path) -> None:
     """No --address, a cluster `ray start` started on this machine: the driver joins it, as ray.init()
     without an address would (--num-cpus and --node-ip-address only shape a cluster it starts)."""
-    res = _launch_without_address(cluster_root, tmp_path, *LOCAL_START)
+    res = _launch_one_rank(cluster_root, tmp_path, *LOCAL_START)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"joining the Ray cluster `ray start` started on this machine ({cluster})" in res.stdout, (
         res.stdout
