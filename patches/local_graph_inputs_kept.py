@@ -55,6 +55,30 @@ def keep_inputs(create_fwd_graph):
     return wrapper
 
 
+UNPATCHED = (
+    "megatron-core {version} under --cuda-graph-impl local without twinkle-specs' patch local_graph_inputs_kept: "
+    "the first graphed layer's backward reads a gradient where its saved input was (upstream returns that "
+    "buffer to its pool), so that layer trains wrong (its norm's and a LoRA QKV adapter's A gradients). Run "
+    "through `python -m twinkle_specs.launch`, call twinkle_specs.apply_patches() before building the model, "
+    "or use --cuda-graph-impl transformer_engine"
+)
+
+
+def warn_if_missing(config) -> None:
+    """Warns where a model on these versions uses megatron's local graphs without the patch (stock
+    pretrain_gpt.py with the spec, which applies no patches, or $TWINKLE_PATCHES_OFF naming it)."""
+    import warnings
+
+    from megatron.core.transformer.cuda_graphs import _CudaGraphRunner
+
+    if getattr(config, "cuda_graph_impl", "none") != "local" or not is_needed():
+        return
+    if not getattr(_CudaGraphRunner.create_fwd_graph, "keeps_inputs", False):
+        import megatron.core
+
+        warnings.warn(UNPATCHED.format(version=megatron.core.__version__), stacklevel=3)
+
+
 def apply() -> None:
     from megatron.core.transformer.cuda_graphs import _CudaGraphRunner
 

@@ -5,6 +5,7 @@ code. The replays themselves need CUDA (tests/test_launch_gpu.py, local graphs a
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -69,3 +70,31 @@ def test_applied_once_to_megatrons_runner(monkeypatch):
     local_graph_inputs_kept.apply()
     local_graph_inputs_kept.apply()
     assert runner.create_fwd_graph.keeps_inputs and runner.create_fwd_graph.__wrapped__ is upstream
+
+
+def test_a_local_graphs_model_without_the_patch_is_warned(monkeypatch):
+    """Where the patch is needed (here pretended: it needs CUDA) and not in force, a model under megatron's
+    local graphs warns, naming the patch and the ways to get it; TE's graphs or the patch in force: silent."""
+    from types import SimpleNamespace
+
+    runner = cuda_graphs._CudaGraphRunner
+    monkeypatch.setattr(runner, "create_fwd_graph", runner.create_fwd_graph)
+    monkeypatch.setattr(local_graph_inputs_kept, "is_needed", lambda: True)
+    with pytest.warns(UserWarning, match=r"local_graph_inputs_kept.*twinkle_specs\.apply_patches\(\)"):
+        local_graph_inputs_kept.warn_if_missing(SimpleNamespace(cuda_graph_impl="local"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        local_graph_inputs_kept.warn_if_missing(SimpleNamespace(cuda_graph_impl="transformer_engine"))
+        local_graph_inputs_kept.apply()
+        local_graph_inputs_kept.warn_if_missing(SimpleNamespace(cuda_graph_impl="local"))
+
+
+def test_every_layer_of_the_spec_runs_the_check(monkeypatch, checkpoints, megatron_single):
+    """The spec's layers run the check with their config as they are built (a model under local graphs
+    cannot be built on this host: megatron's graph manager needs CUDA's RNG tracker)."""
+    import twinkle_specs as ts
+
+    seen = []
+    monkeypatch.setattr(local_graph_inputs_kept, "warn_if_missing", seen.append)
+    model = ts.build_model(checkpoints("qwen3"))
+    assert seen == [model.config] * len(model.decoder.layers) and seen

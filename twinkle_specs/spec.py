@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from .gdn import packed_bounds
 from .graph_io import record_sample, write_output_into_next_input
 from .hybrid_spec import hybrid_layer_submodules, is_hybrid
+from .patches import local_graph_inputs_kept
 
 
 class SDPACoreAttention(MegatronModule):
@@ -183,6 +184,7 @@ class QwenTransformerLayer(TransformerLayer):
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         if not isinstance(self.mlp_bda, torch.nn.Module):  # megatron's bias-dropout-add function
             write_output_into_next_input(self)
+        local_graph_inputs_kept.warn_if_missing(config)
 
     def get_layer_static_inputs(self, seq_length: int, micro_batch_size: int) -> dict[str, torch.Tensor]:
         """megatron's CUDA-graph sample inputs, recorded for the layer before this one to write its output
