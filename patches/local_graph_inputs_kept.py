@@ -67,15 +67,14 @@ UNPATCHED = (
 def warn_if_missing(config) -> None:
     """Warns where a model on these versions uses megatron's local graphs without the patch (stock
     pretrain_gpt.py with the spec, which applies no patches, or $TWINKLE_PATCHES_OFF naming it)."""
-    import warnings
-
-    from megatron.core.transformer.cuda_graphs import _CudaGraphRunner
-
     if getattr(config, "cuda_graph_impl", "none") != "local" or not is_needed():
         return
-    if not getattr(_CudaGraphRunner.create_fwd_graph, "keeps_inputs", False):
-        import megatron.core
+    import warnings
 
+    import megatron.core
+    from megatron.core.transformer.cuda_graphs import _CudaGraphRunner
+
+    if not getattr(_CudaGraphRunner.create_fwd_graph, "keeps_inputs", False):
         warnings.warn(UNPATCHED.format(version=megatron.core.__version__), stacklevel=3)
 
 
