@@ -21,6 +21,8 @@ still return their buffers.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -37,11 +39,11 @@ def _kept(tensor: torch.Tensor) -> None:
     """The pool's ``insert`` during a forward capture: the buffer stays with the graph that saved it."""
 
 
-def keep_inputs(create_fwd_graph):
+def keep_inputs(create_fwd_graph: Callable[..., Any]) -> Callable[..., Any]:
     """megatron's ``create_fwd_graph`` with the reuse pool's ``insert`` a no-op while it runs."""
 
     @functools.wraps(create_fwd_graph)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
         pool = _CudagraphGlobalRecord.tensor_reuse_pool
@@ -64,7 +66,7 @@ UNPATCHED = (
 )
 
 
-def warn_if_missing(config) -> None:
+def warn_if_missing(config: Any) -> None:
     """Warns where a model on these versions uses megatron's local graphs without the patch (stock
     pretrain_gpt.py with the spec, which applies no patches, or $TWINKLE_PATCHES_OFF naming it)."""
     if getattr(config, "cuda_graph_impl", "none") != "local" or not is_needed():
