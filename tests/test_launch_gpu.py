@@ -387,20 +387,18 @@ def test_lora_cuda_graphs_match_eager(e2e, lora_eager_qwen3, impl):
     _check_graphs_match_eager(f"lora-qwen3-cuda-graphs-{impl}", impl, graphs, eager, log)
 
 
-def _check_graphs_match_eager(
-    name: str, impl: str, graphs: dict, eager: dict, log: str, rtol: float = SAME_RUN_RTOL
-) -> None:
+def _check_graphs_match_eager(name: str, impl: str, graphs: dict, eager: dict, log: str) -> None:
     """A CUDA-graph run against its eager run: the capture logged, the same 8 iterations, every loss
-    within ``rtol``, and training (iteration 8 below iteration 1)."""
+    within SAME_RUN_RTOL, and training (iteration 8 below iteration 1)."""
     assert re.search(GRAPH_SIGN[impl], log), f"no CUDA-graph capture logged ({GRAPH_SIGN[impl]!r})"
     assert sorted(graphs) == sorted(eager) == list(range(1, 9)), (sorted(graphs), sorted(eager))
     diffs = relative_gaps(graphs, eager)
     EVIDENCE.record(name, graphs=graphs, eager=eager, max_rel=max(diffs.values()))
-    assert max(diffs.values()) <= rtol, diffs
+    assert max(diffs.values()) <= SAME_RUN_RTOL, diffs
     assert graphs[8] < graphs[1], graphs
 
 
-def eager_and_te_graphs(
+def eager_and_graphs(
     hf: Path, eager_out: Path, graphs_out: Path, *flags: str, impl: str = "transformer_engine"
 ) -> tuple[dict, dict, str]:
     """Eight iterations with ``flags`` eager and under CUDA graphs (TE's, or megatron's ``local``), side by
@@ -424,7 +422,7 @@ def test_full_finetune_cuda_graphs_match_eager(e2e, impl):
     megatron's local graphs: on megatron-core 0.16/0.17 the first layer's backward reads its saved input, the
     buffer upstream handed back to its pool (``patches/local_graph_inputs_kept.py``)."""
     root = e2e["root"]
-    eager, graphs, log = eager_and_te_graphs(
+    eager, graphs, log = eager_and_graphs(
         e2e["qwen3"], root / f"full-eager-{impl}", root / f"full-graphs-{impl}", "--mock-data", impl=impl
     )
     _check_graphs_match_eager(f"full-qwen3-cuda-graphs-{impl}", impl, graphs, eager, log)
@@ -441,9 +439,7 @@ def test_moe_lora_whole_layer_te_graphs_match_eager(e2e, kind):
     both through TE's grouped GEMM (``--moe-grouped-gemm``: megatron's sequential experts need the counts
     on the host, and the capture is then refused, ``tests/test_moe_dispatch.py``)."""
     hf, root, run = e2e[kind], e2e["root"], (*GRAPH_RUN, *MOE, "--moe-grouped-gemm")
-    eager, graphs, log = eager_and_te_graphs(
-        hf, root / f"{kind}-moe-eager", root / f"{kind}-moe-graphs", *run
-    )
+    eager, graphs, log = eager_and_graphs(hf, root / f"{kind}-moe-eager", root / f"{kind}-moe-graphs", *run)
     _check_graphs_match_eager(
         f"moe-lora-{kind}-whole-layer-te-graphs", "transformer_engine", graphs, eager, log
     )
@@ -461,7 +457,7 @@ def test_fp8_lora_te_cuda_graphs_match_eager(e2e):
     weight copies from the third iteration on (delayed scaling settles in two: ``lora.fp8_copies``), as the
     eager run's linears do."""
     root, run = e2e["root"], (*GRAPH_RUN, *FP8_FLAGS)
-    eager, graphs, log = eager_and_te_graphs(e2e["qwen3"], root / "fp8-eager", root / "fp8-graphs", *run)
+    eager, graphs, log = eager_and_graphs(e2e["qwen3"], root / "fp8-eager", root / "fp8-graphs", *run)
     _check_graphs_match_eager("fp8-lora-qwen3-te-cuda-graphs", "transformer_engine", graphs, eager, log)
     assert "the frozen base's FP8 weight copies are kept from its iteration 3 on" in log, log[-3000:]
 

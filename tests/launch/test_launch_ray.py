@@ -60,10 +60,8 @@ def _alive_nodes(address: str) -> int:
 def _launch_one_rank(ray_tmpdir: str, out: Path, *launcher_args: str) -> subprocess.CompletedProcess:
     """launch.py with one CPU rank running dist_check.py, no RAY_ADDRESS and Ray's temporary folder (where
     `ray start` records its cluster) at ``ray_tmpdir``."""
-    cmd = [sys.executable, str(LAUNCH), *launcher_args, "--entry", sys.executable, "--procs-per-node", "1"]
-    cmd += ["--", str(DIST_CHECK), "--out", str(out)]
-    env = {**_ray_env(), "RAY_TMPDIR": ray_tmpdir}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    program = [str(DIST_CHECK), "--out", str(out)]
+    return _launch(None, [*launcher_args, "--procs-per-node", "1"], program, ray_tmpdir=ray_tmpdir)
 
 
 LOCAL_START = ("--num-cpus", "2", "--node-ip-address", "127.0.0.1")
@@ -224,22 +222,18 @@ def cluster(cluster_root: str) -> Iterator[str]:
 
 
 def _launch(
-    address: str, launcher_args: list[str], program: list[str], timeout: float = 120, **popen: object
+    address: str | None,
+    launcher_args: list[str],
+    program: list[str],
+    timeout: float = 120,
+    ray_tmpdir: str | None = None,
+    **popen: object,
 ) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        str(LAUNCH),
-        "--address",
-        address,
-        "--entry",
-        sys.executable,
-        *launcher_args,
-        "--",
-        *program,
-    ]
-    return subprocess.run(
-        cmd, env=_ray_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO, **popen
-    )
+    """launch.py at ``address`` (None: no --address), Ray's temporary folder at ``ray_tmpdir`` if given."""
+    cmd = [sys.executable, str(LAUNCH), *(["--address", address] if address else [])]
+    cmd += ["--entry", sys.executable, *launcher_args, "--", *program]
+    env = _ray_env() | ({"RAY_TMPDIR": ray_tmpdir} if ray_tmpdir else {})
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO, **popen)
 
 
 def _results(out: Path, world: int) -> list[dict]:
