@@ -548,7 +548,7 @@ def require_reachable(address: str, what: str) -> None:
     if not host or not port.isdigit() or "://" in address:
         return
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()  # [IPv6]:port
     except OSError as e:
         raise LaunchError(f"no Ray cluster answers at {address} ({what}): {e}") from None
 

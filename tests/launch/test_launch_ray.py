@@ -540,3 +540,21 @@ def test_relative_ckpt_dir_is_refused() -> None:
         timeout=60,
     )
     assert res.returncode == 2 and "--ckpt-dir must be an absolute path" in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("address", "dialled"),
+    [("10.1.2.3:6379", ("10.1.2.3", 6379)), ("[fd00::1]:6379", ("fd00::1", 6379)), ("auto", None)],
+)
+def test_reachability_check_dials_the_address_ray_would(monkeypatch, address, dialled):
+    """host:port and [IPv6]:port are dialled (without the brackets); other forms are left to Ray."""
+    mod = _module()
+    seen = []
+
+    class Conn:
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(mod.socket, "create_connection", lambda addr, timeout: seen.append(addr) or Conn())
+    mod.require_reachable(address, "--address")
+    assert seen == ([dialled] if dialled else [])
