@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The test command: set up (idempotent), lint, then the CPU test suite on both supported megatron-core lines.
-#   leg 0.16: this machine's python3 (Python 3.11) with megatron-core 0.16.1 (scripts/setup.sh);
+#   leg 0.16: this machine's python3 (Python 3.11) with megatron-core 0.16.1 (scripts/setup.sh) and the newest
+#             transformers pyproject.toml allows;
 #   leg 0.19: Python 3.12 in .venv-mcore019 with megatron-core 0.19.x, whose wheel also ships
-#             megatron/training, so the tests against Megatron-LM's own parser and checkpoint loader run.
+#             megatron/training, so the tests against Megatron-LM's own parser and checkpoint loader run, and the
+#             oldest transformers allowed.
 # `--leg 0.16` or `--leg 0.19` runs one leg; other arguments go to pytest. GPU tests skip themselves here.
 # Tests marked one_leg (pyproject.toml: the Slurm and Ray launch scripts' own mechanics and torch/Triton-only
 # kernels, which exercise no megatron-core version-specific code, on leg 0.16; the benchmark harness, whose GPU
@@ -28,6 +30,10 @@ py=${PYTHON:-python3}
 # On the 2-core CI machine much of a test's time is a subprocess starting up (imports) on one core.
 workers=(-n "${PYTEST_WORKERS:-2}" --dist loadfile)
 MCORE_019=0.19.2
+# transformers at both ends of pyproject.toml's range: the newest release on leg 0.16 (the machine's python, so
+# installed over what set-up left), the oldest in leg 0.19's own environment.
+TRANSFORMERS_NEWEST=5.24.0
+TRANSFORMERS_OLDEST=5.17.0
 
 system_packages() {
   local missing=()
@@ -71,13 +77,14 @@ setup_019() {
   if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
     "$venv/bin/python" -m pip install -q torch==2.11.0 >&2
   fi
-  "$venv/bin/python" -m pip install -q "megatron-core==$MCORE_019" -e ".[dev,ray,bench]" >&2
+  "$venv/bin/python" -m pip install -q "megatron-core==$MCORE_019" "transformers==$TRANSFORMERS_OLDEST" \
+    -e ".[dev,ray,bench]" >&2
   echo "$venv/bin/python"
 }
 
-# The installed megatron-core's version, from its metadata (importing megatron.core takes seconds here).
-mcore_version() {
-  "$1" -c 'from importlib.metadata import version; print(version("megatron-core"))'
+# The installed megatron-core and transformers, from their metadata (importing megatron.core takes seconds here).
+versions() {
+  "$1" -c 'from importlib.metadata import version as v; print("megatron-core", v("megatron-core"), "transformers", v("transformers"))'
 }
 
 system_packages
@@ -86,13 +93,14 @@ for leg in "${legs[@]}"; do
   case "$leg" in
     0.16)
       TWINKLE_EXTRAS="[dev,ray,bench]" bash scripts/setup.sh  # one editable install, with the extras
+      $py -m pip install -q "transformers==$TRANSFORMERS_NEWEST"
       $py -m ruff check .
-      echo "== leg 0.16: $($py --version), megatron-core $(mcore_version "$py")"
+      echo "== leg 0.16: $($py --version), $(versions "$py")"
       TWINKLE_TEST_LEG=0.16 $py -m pytest -q -rs "${workers[@]}" "${pytest_args[@]}" || failed+=(0.16)
       ;;
     0.19)
       py019=$(setup_019)
-      echo "== leg 0.19: $($py019 --version), megatron-core $(mcore_version "$py019")"
+      echo "== leg 0.19: $($py019 --version), $(versions "$py019")"
       TWINKLE_TEST_LEG=0.19 $py019 -m pytest -q -rs "${workers[@]}" "${pytest_args[@]}" || failed+=(0.19)
       ;;
     *) echo "test: unknown leg $leg (0.16 or 0.19)" >&2; exit 2;;

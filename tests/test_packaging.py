@@ -35,6 +35,28 @@ def test_version_is_the_distribution_version():
     assert twinkle_specs.__version__ == VERSION
 
 
+def test_the_test_command_runs_both_ends_of_the_transformers_range():
+    """scripts/test.sh installs the oldest transformers pyproject.toml allows on one leg and the newest minor
+    release below its upper bound on the other, so widening the range without testing its new end fails here."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    deps = [
+        Requirement(d)
+        for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    ]
+    spec = next(d.specifier for d in deps if d.name == "transformers")
+    bounds = {s.operator: Version(s.version) for s in spec}
+    script = (ROOT / "scripts" / "test.sh").read_text()
+    ends = {k: Version(v) for k, v in re.findall(r"^TRANSFORMERS_(NEWEST|OLDEST)=(\S+)$", script, re.M)}
+    assert set(bounds) == {">=", "<"} and set(ends) == {"NEWEST", "OLDEST"}, (spec, ends)
+    assert ends["OLDEST"] == bounds[">="], (ends, spec)
+    newest, upper = ends["NEWEST"], bounds["<"]
+    assert newest in spec and (newest.major, newest.minor + 1) == (upper.major, upper.minor), (ends, spec)
+    for end in ends:
+        assert f'"transformers==$TRANSFORMERS_{end}"' in script, end
+
+
 def test_launch_scripts_command_prints_and_copies_without_overwriting(tmp_path, capsys):
     assert set(launch_scripts()) == LAUNCH_SCRIPTS
     assert cli(["launch-scripts"]) == 0
