@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -1574,3 +1575,32 @@ def test_lora_fold_probe_computes_what_the_adapter_computes():
         torch.testing.assert_close(getattr(lin, f"{path}_dgrad")(), dgrad, rtol=1e-12, atol=1e-12)
     # the folded weights are views of one buffer: the frozen weight is stored once
     assert lin.weights[:40].data_ptr() == lin.weights.data_ptr() and lin.weights[:, :48].stride() == (52, 1)
+
+
+def test_swiglu_backward_probe_passes_the_models_arguments():
+    """bench/swiglu_backward.py gives the kernel (loaded from its file, without the package) the arguments the
+    model does at the shape's MLP width, and counts the bytes it must move: 503 MB a layer at Qwen3-8B and seq
+    4096 (fc1's output read and its gradient written, [T, 2F] each, and the [T, F] gradient read, bf16)."""
+    from bench import swiglu_backward
+
+    kernel = swiglu_backward.swiglu_module()
+    assert kernel.__name__ == "swiglu" and callable(kernel._triton_backward)
+    dout, pre, h, b, dh2, a2, s2 = swiglu_backward.mlp_inputs("qwen3-8b", 8, 16, "cpu", torch.bfloat16)
+    assert [tuple(t.shape) for t in (dout, pre, h, b, dh2, a2)] == [
+        (8, 12288), (8, 24576), (8, 32), (24576, 16), (8, 16), (16, 12288),
+    ]  # fmt: skip
+    assert s2 == 2.0 and kernel._halves(
+        h, b
+    )  # fc1's adapter with gate's and up's halves, as the 8B model has
+    big = [
+        torch.empty(4096, 12288, dtype=torch.bfloat16, device="meta"),
+        torch.empty(4096, 24576, dtype=torch.bfloat16, device="meta"),
+    ]
+    assert swiglu_backward.traffic_bytes(big) == 503_316_480
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "swiglu_backward.py")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert proc.returncode == 1 and "times a CUDA kernel: run it on a GPU machine" in proc.stderr

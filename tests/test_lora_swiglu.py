@@ -233,6 +233,25 @@ def _amax_errors(device: str, cases: tuple, s2: float) -> dict[str, float]:
     return errors
 
 
+def _chunk_errors(device: str, cases: tuple, s2: float) -> dict[str, float]:
+    """The backward at other token-chunk counts than its own choice (one chunk; more chunks than the
+    default, with a ragged last one): its gradient bit for bit, the factor gradients (partial sums added in
+    another grouping) relative to the default's."""
+    errors: dict[str, float] = {}
+    for lead, ffn, rank, rank2, halves in cases:
+        pre, h, b, dout = (
+            t.to(device) for t in _inputs(lead, ffn, rank, torch.bfloat16, seed=3, halves=halves)
+        )
+        a2, dh2 = (t.to(device) for t in _fc2_inputs([pre, h, b, dout], rank2))
+        default = S._triton_backward(dout, pre, h, b, dh2, a2, s2)
+        for chunks in (1, 3):
+            dy, d_b, d_a2, _ = S._triton_backward(dout, pre, h, b, dh2, a2, s2, chunks=chunks)
+            key = f"chunks/{chunks}/{lead}/{ffn}/{rank}/{halves}"
+            errors[f"{key}/dy-differs"] = float(not torch.equal(dy, default[0]))
+            errors[f"{key}/b"], errors[f"{key}/a2"] = _rel(d_b, default[1]), _rel(d_a2, default[2])
+    return errors
+
+
 # several tiles with ragged edges (T 70 > the token blocks, F 200 > the F blocks), R below/at/above 16,
 # fused B and halves
 INTERPRETED = (((70,), 200, 5, 4, False), ((7, 3), 130, 48, 16, False), ((5,), 16, 16, 3, False))
@@ -245,8 +264,12 @@ def test_triton_kernels_under_interpreter():
     # per dtype and case: forward twice and backward twice (without and with fc2), forward for no-grad
     assert errors.pop("launches") == [2 * len(INTERPRETED) * 3, 2 * len(INTERPRETED) * 2], errors
     assert sum(key.startswith("amax/") for key in errors) == 2 * len(INTERPRETED) * 6, errors
+    assert sum(key.startswith("chunks/") for key in errors) == len(INTERPRETED) * 2 * 3, errors
     for key, err in errors.items():
-        tol = 0.0 if key.startswith(("nograd", "amax/")) else INTERP_TOL[key.split("/")[0]]
+        if key.startswith("chunks/"):  # bf16 factor gradients, summed over other partials: 2 ulps
+            tol = 0.0 if key.endswith("dy-differs") else 1.6e-2
+        else:
+            tol = 0.0 if key.startswith(("nograd", "amax/")) else INTERP_TOL[key.split("/")[0]]
         assert err <= tol, (key, err, tol)
 
 
@@ -271,4 +294,5 @@ def test_triton_kernels_on_cuda_match_the_reference():
 
 
 if __name__ == "__main__":
-    print(json.dumps(_kernel_errors("cpu", INTERPRETED, 0.7) | _amax_errors("cpu", INTERPRETED, 0.7)))
+    errors = _kernel_errors("cpu", INTERPRETED, 0.7) | _amax_errors("cpu", INTERPRETED, 0.7)
+    print(json.dumps(errors | _chunk_errors("cpu", INTERPRETED, 0.7)))

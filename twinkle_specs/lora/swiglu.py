@@ -253,11 +253,14 @@ def _triton_forward(
     return out.view(*pre.shape[:-1], -1), partials
 
 
-def _triton_backward(dout, pre, h, b, dh2, a2, s2: float = 1.0, amax: bool = False) -> tuple:
+def _triton_backward(
+    dout, pre, h, b, dh2, a2, s2: float = 1.0, amax: bool = False, chunks: int | None = None
+) -> tuple:
     """``(dy [T, 2F], b's gradient, a2's gradient or None, dy's partial amaxes or None)``: SwiGLU's
     gradient for fc1's output (fc2's deferred input gradient ``s2 * dh2 @ a2`` included) and the two
     factor gradients, in one kernel plus a sum over the token chunks' partial factor gradients; with
-    ``amax``, the largest |dy| of each program (fp32)."""
+    ``amax``, the largest |dy| of each program (fp32). ``chunks``: the number of token chunks the grid
+    aims for instead of ``BWD_BLOCKS``' programs per SM (bench/swiglu_backward.py sweeps it)."""
     pre2, h2, g2 = _flat(pre), _flat(h), _flat(dout.contiguous())
     (T, f2), R = pre2.shape, b.shape[1]
     ffn = f2 // 2
@@ -268,8 +271,10 @@ def _triton_backward(dout, pre, h, b, dh2, a2, s2: float = 1.0, amax: bool = Fal
     br, br2 = _rank_block(R), _rank_block(a.shape[0] if fc2 else 16)
     blocks = triton.cdiv(ffn, bf)
     # token chunks: ``waves`` programs per SM (the interpreter: a few), each chunk whole token blocks
-    sms = _sm_count(pre.device) if pre.is_cuda else 2
-    chunks = max(1, min(triton.cdiv(T, bt), triton.cdiv(waves * sms, blocks)))
+    if chunks is None:
+        sms = _sm_count(pre.device) if pre.is_cuda else 2
+        chunks = triton.cdiv(waves * sms, blocks)
+    chunks = max(1, min(triton.cdiv(T, bt), chunks))
     tch = triton.cdiv(triton.cdiv(T, chunks), bt) * bt
     chunks = triton.cdiv(T, tch)
     dy = torch.empty_like(pre2, memory_format=torch.contiguous_format)
