@@ -17,6 +17,7 @@ Triton) and transformers, without megatron-core or the package installed.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import sys
@@ -68,22 +69,14 @@ def traffic_bytes(args: tuple) -> int:
     return (2 * pre.numel() + dout.numel()) * pre.element_size()
 
 
-def median_us(fn, iters: int) -> float:
-    """Median over ``iters`` timed calls (CUDA events), after two untimed."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+def copy_of(block: torch.Tensor) -> torch.Tensor:
+    """A device copy: reads ``block`` and writes as many bytes, the rate the kernel's traffic is held to."""
+    return torch.empty_like(block).copy_(block)
 
 
 def measure(args: argparse.Namespace) -> dict:
+    from bench.timing import median_cuda_ms
+
     swiglu = swiglu_module()
     results = {"device": torch.cuda.get_device_name(), "seq": args.seq, "rank": args.rank, "shapes": {}}
     for shape in args.shapes:
@@ -103,10 +96,10 @@ def measure(args: argparse.Namespace) -> dict:
         rounds = {c: [] for c in args.chunks}
         for _ in range(args.reps):
             for c, run in runs.items():
-                rounds[c].append(median_us(run, args.iters))
+                rounds[c].append(median_cuda_ms(run, args.iters, warmup=2) * 1e3)
         moved = traffic_bytes(inputs)
         block = torch.empty(moved // 4, device="cuda", dtype=torch.bfloat16)  # half read, half written
-        copy_us = median_us(lambda block=block: torch.empty_like(block).copy_(block), args.iters)
+        copy_us = median_cuda_ms(functools.partial(copy_of, block), args.iters, warmup=2) * 1e3
         kernel = {str(c): sorted(ts)[len(ts) // 2] for c, ts in rounds.items()}
         results["shapes"][shape] = {
             "traffic_mb": moved / 1e6,
