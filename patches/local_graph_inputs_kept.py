@@ -35,6 +35,13 @@ def is_needed() -> bool:
     return torch.cuda.is_available() and megatron_core_in("0.16", "0.18")
 
 
+def applied() -> bool:
+    """Whether megatron's ``create_fwd_graph`` is this patch's wrapper."""
+    from megatron.core.transformer.cuda_graphs import _CudaGraphRunner
+
+    return getattr(_CudaGraphRunner.create_fwd_graph, "keeps_inputs", False)
+
+
 def _kept(tensor: torch.Tensor) -> None:
     """The pool's ``insert`` during a forward capture: the buffer stays with the graph that saved it."""
 
@@ -74,14 +81,13 @@ def warn_if_missing(config: Any) -> None:
     import warnings
 
     import megatron.core
-    from megatron.core.transformer.cuda_graphs import _CudaGraphRunner
 
-    if not getattr(_CudaGraphRunner.create_fwd_graph, "keeps_inputs", False):
+    if not applied():
         warnings.warn(UNPATCHED.format(version=megatron.core.__version__), stacklevel=3)
 
 
 def apply() -> None:
     from megatron.core.transformer.cuda_graphs import _CudaGraphRunner
 
-    if not getattr(_CudaGraphRunner.create_fwd_graph, "keeps_inputs", False):
+    if not applied():
         _CudaGraphRunner.create_fwd_graph = keep_inputs(_CudaGraphRunner.create_fwd_graph)

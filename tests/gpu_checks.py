@@ -46,6 +46,12 @@ class Evidence:
             path.write_text(json.dumps(merged | {name: values}, indent=2))
 
 
+def fp32_max_abs(kind: str) -> float:
+    """The max |Δ| bound of a model's fp32 logits on a GPU against transformers' fp32 ones: MoE models' near-tied
+    routers take the looser one."""
+    return FP32_MOE_MAX_ABS if "moe" in kind else FP32_MAX_ABS
+
+
 def fp32_router(kind: str, dtype: torch.dtype) -> dict:
     """fp32 runs of MoE models compute the router in fp64. From core_v0.19 megatron-core's router GEMM
     goes through TE's general_gemm (TF32 for fp32 inputs), and a near-tied top-k then routes a token

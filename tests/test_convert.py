@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import megatron_training_root
-from gpu_checks import FP32_MAX_ABS, FP32_MOE_MAX_ABS, HYBRID_FP32_MAX_ABS, fp32_router
+from gpu_checks import HYBRID_FP32_MAX_ABS, fp32_max_abs, fp32_router
 from hybrid_models import hybrid_batch, hybrid_hf_logits, make_hybrid_checkpoint
 from models import batch, hf_logits, make_checkpoint
 from safetensors.torch import load_file
@@ -334,5 +334,5 @@ def test_transformer_engine_model_finds_every_key_it_loads(which, request, megat
     ref = hybrid_hf_logits(hf, tokens, device="cuda") if hybrid else hf_logits(hf, tokens)
     report = compare_logits(ours, ref)
     print(f"{which}: TE model from the conversion vs transformers (fp32): {report}")
-    bound = HYBRID_FP32_MAX_ABS if hybrid else FP32_MOE_MAX_ABS if "moe" in which else FP32_MAX_ABS
+    bound = HYBRID_FP32_MAX_ABS if hybrid else fp32_max_abs(which)
     assert report.max_abs <= bound, report

@@ -10,11 +10,10 @@ import torch
 from gpu_checks import (
     BF16_ERROR_RATIO,
     BF16_MIN_COSINE,
-    FP32_MAX_ABS,
     FP32_MEAN_ABS,
     FP32_MIN_COSINE,
-    FP32_MOE_MAX_ABS,
     Evidence,
+    fp32_max_abs,
     fp32_router,
 )
 from models import YARN_SEQ, batch
@@ -62,7 +61,7 @@ def test_te_path_matches_transformers(kind, dtype, checkpoints, single_gpu):
     name = f"{kind}-{str(dtype).removeprefix('torch.')}"
     if dtype == torch.float32:
         EVIDENCE.record(name, **stats.as_dict())
-        assert stats.max_abs <= (FP32_MOE_MAX_ABS if "moe" in kind else FP32_MAX_ABS), stats
+        assert stats.max_abs <= fp32_max_abs(kind), stats
         assert stats.mean_abs <= FP32_MEAN_ABS, stats
         assert stats.cosine >= FP32_MIN_COSINE, stats
         return
@@ -114,7 +113,7 @@ def test_te_path_yarn_matches_transformers(kind, checkpoints, single_gpu):
         ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).cuda().eval()(tokens).logits
     stats = compare_logits(ours, ref)
     EVIDENCE.record(f"{kind}-float32-seq{YARN_SEQ}", **stats.as_dict())
-    assert stats.max_abs <= (FP32_MOE_MAX_ABS if "moe" in kind else FP32_MAX_ABS), stats
+    assert stats.max_abs <= fp32_max_abs(kind), stats
     assert stats.mean_abs <= FP32_MEAN_ABS, stats
     assert stats.cosine >= FP32_MIN_COSINE, stats
 

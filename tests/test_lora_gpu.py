@@ -24,8 +24,8 @@ from gpu_checks import (
     FP32_MAX_ABS,
     FP32_MEAN_ABS,
     FP32_MIN_COSINE,
-    FP32_MOE_MAX_ABS,
     Evidence,
+    fp32_max_abs,
     fp32_router,
 )
 from test_lora_support import CountingKernel
@@ -142,7 +142,7 @@ def test_te_lora_matches_peft(kind, targets, extra, dtype, lora_checkpoints, gpu
         )
     EVIDENCE.record(f"{kind}-{'-'.join(sorted(str(v) for v in targets.values()))}-{extra}-{dtype}", **stats)
     if dtype == torch.float32:
-        assert stats["max_abs"] <= (FP32_MOE_MAX_ABS if "moe" in kind else FP32_MAX_ABS), stats
+        assert stats["max_abs"] <= fp32_max_abs(kind), stats
         assert stats["mean_abs"] <= FP32_MEAN_ABS, stats
         assert stats["cosine"] >= FP32_MIN_COSINE, stats
     else:
