@@ -4,14 +4,16 @@ and what its grid's token chunks change. The probe for work on that kernel.
 ``twinkle_specs.lora.swiglu``'s backward reads fc1's output and the incoming gradient and writes SwiGLU's
 gradient (about 503 MB per layer at Qwen3-8B's shape and seq 4096), accumulating the adapters' factor
 gradients in registers. Its grid is (F blocks, token chunks): each program walks its chunk's tokens and writes
-one partial sum per chunk. This times the kernel per chunk count (0: the committed choice, ``BWD_BLOCKS``'
-programs per SM), the counts interleaved over ``--reps`` rounds after a warm-up that brings the clocks up
-(single timings wander by 20 % on an H200), next to a device copy of the same bytes.
+one partial sum per chunk. This times the kernel per chunk count (0: the committed choice, as many chunks as
+fill ``BWD_BLOCKS``' resident programs per SM once), the counts interleaved over ``--reps`` rounds after a
+warm-up that brings the clocks up (single timings wander by 20 % on an H200), next to a device copy of the same
+bytes. ``--baseline FILE`` adds another version of the kernel's module (``git show
+REV:twinkle_specs/lora/swiglu.py > FILE``) at its own committed choice to the same rounds.
 
 The kernel's module is loaded from its file, so this runs on a GPU machine that has only torch (and its
 Triton) and transformers, without megatron-core or the package installed.
 
-    python bench/swiglu_backward.py --shapes qwen3-8b,qwen3-1.7b --chunks 0,2,3,4,8 --json out.json
+    python bench/swiglu_backward.py --shapes qwen3-8b,qwen3-1.7b --chunks 0,2,3,4,5 --json out.json
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,9 +34,10 @@ if str(ROOT) not in sys.path:  # run as a script: bench/ is importable as a pack
     sys.path.insert(0, str(ROOT))
 
 
-def swiglu_module():
-    """``twinkle_specs/lora/swiglu.py`` on its own (the package's ``__init__`` imports megatron-core)."""
-    spec = importlib.util.spec_from_file_location("swiglu", ROOT / "twinkle_specs" / "lora" / "swiglu.py")
+def swiglu_module(path: Path = ROOT / "twinkle_specs" / "lora" / "swiglu.py", name: str = "swiglu"):
+    """``twinkle_specs/lora/swiglu.py`` (or another version of it) on its own (the package's ``__init__``
+    imports megatron-core)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -78,36 +82,41 @@ def measure(args: argparse.Namespace) -> dict:
     from bench.timing import median_cuda_ms
 
     swiglu = swiglu_module()
+    baseline = swiglu_module(args.baseline, "swiglu_baseline") if args.baseline else None
     results = {"device": torch.cuda.get_device_name(), "seq": args.seq, "rank": args.rank, "shapes": {}}
+    if args.baseline:
+        results["baseline"] = str(args.baseline)
     for shape in args.shapes:
         inputs = mlp_inputs(shape, args.seq, args.rank, "cuda", torch.bfloat16)
         reference = swiglu._triton_backward(*inputs)[:3]
         runs = {
-            c: (lambda c=c, inputs=inputs: swiglu._triton_backward(*inputs, chunks=c or None))
+            str(c): (lambda c=c, inputs=inputs: swiglu._triton_backward(*inputs, chunks=c or None))
             for c in args.chunks
         }
+        if baseline is not None:
+            runs["baseline"] = lambda inputs=inputs: baseline._triton_backward(*inputs)
         for c, run in runs.items():  # the same gradients at every grid
             for got, want in zip(run()[:3], reference, strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2, msg=f"{shape}, {c} chunks")
         warm_until = time.monotonic() + args.warmup_s
         while time.monotonic() < warm_until:
-            runs[args.chunks[0]]()
+            runs[str(args.chunks[0])]()
         torch.cuda.synchronize()
-        rounds = {c: [] for c in args.chunks}
+        rounds: dict[str, list[float]] = {c: [] for c in runs}
         for _ in range(args.reps):
             for c, run in runs.items():
                 rounds[c].append(median_cuda_ms(run, args.iters, warmup=2) * 1e3)
         moved = traffic_bytes(inputs)
         block = torch.empty(moved // 4, device="cuda", dtype=torch.bfloat16)  # half read, half written
         copy_us = median_cuda_ms(functools.partial(copy_of, block), args.iters, warmup=2) * 1e3
-        kernel = {str(c): sorted(ts)[len(ts) // 2] for c, ts in rounds.items()}
+        kernel = {c: statistics.median(ts) for c, ts in rounds.items()}
         results["shapes"][shape] = {
             "traffic_mb": moved / 1e6,
             "copy_us": copy_us,
             "copy_tb_per_s": moved / copy_us / 1e6,
             "kernel_us_by_chunks": kernel,
             "kernel_tb_per_s_by_chunks": {c: moved / us / 1e6 for c, us in kernel.items()},
-            "rounds_us": {str(c): ts for c, ts in rounds.items()},
+            "rounds_us": rounds,
         }
     return results
 
@@ -115,9 +124,10 @@ def measure(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", type=lambda s: s.split(","), default=["qwen3-8b", "qwen3-1.7b"])
-    parser.add_argument("--chunks", type=lambda s: [int(c) for c in s.split(",")], default=[0, 2, 3, 4, 8])
+    parser.add_argument("--chunks", type=lambda s: [int(c) for c in s.split(",")], default=[0, 2, 3, 4, 5])
     parser.add_argument("--seq", type=int, default=4096, help="tokens per micro-batch")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--baseline", type=Path, help="another swiglu.py to time at its committed choice")
     parser.add_argument("--reps", type=int, default=6, help="interleaved rounds over the chunk counts")
     parser.add_argument("--iters", type=int, default=200, help="timed calls per round and count")
     parser.add_argument("--warmup-s", type=float, default=2.0)
@@ -132,7 +142,8 @@ def main() -> None:
         )
         for c, us in r["kernel_us_by_chunks"].items():
             tbs = r["kernel_tb_per_s_by_chunks"][c]
-            print(f"  chunks {c if c != '0' else 'committed'}: {us:.1f} us ({tbs:.2f} TB/s)")
+            name = {"0": "committed", "baseline": "baseline (committed)"}.get(c, c)
+            print(f"  chunks {name}: {us:.1f} us ({tbs:.2f} TB/s)")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 

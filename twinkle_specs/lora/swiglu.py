@@ -41,11 +41,14 @@ try:
 except ImportError:  # the torch path serves CPU tensors and machines without Triton
     triton = None
 
-# Fixed launch configurations (autotuning would have to finish before CUDA-graph capture), swept on an
-# H100 at the Qwen3-8B shape: forward (token block, F block, warps); backward
-# (token block, F block, warps, pipeline stages, programs per SM that the token chunks aim for).
+# Fixed launch configurations (autotuning would have to finish before CUDA-graph capture): forward (token
+# block, F block, warps), swept on an H100 at the Qwen3-8B shape; backward (token block, F block, warps,
+# pipeline stages, programs resident per SM), swept on an H200 at Qwen3-8B's and Qwen3-1.7B's shapes
+# (bench/swiglu_backward.py). The backward's loop loads the next token tile by hand, so the compiler's
+# pipelining adds nothing; 123 registers a thread let 4 programs share an SM, and the grid takes as many
+# token chunks as fill those slots once (a partly filled second wave cost 18 %).
 FWD_BLOCKS = (16, 128, 4)
-BWD_BLOCKS = (32, 64, 4, 3, 2)
+BWD_BLOCKS = (16, 64, 4, 1, 4)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -143,6 +146,25 @@ if triton is not None:
             tl.store(amax_ptr + program, tl.max(tl.max(tl.abs(out.to(tl.float32)), 1), 0))
 
     @triton.jit
+    def _bwd_tiles(
+        pre_ptr, h_ptr, dout_ptr, dh2_ptr, t0, end, T, f, fm, r, rm, r2, R, R2, s_pre, s_h, s_dout, s_dh2, F,
+        BT: tl.constexpr, HALVES: tl.constexpr,
+    ):  # fmt: skip
+        """The backward's loads for the token tile at ``t0`` (masked from ``end`` or ``T`` on: past the
+        chunk they move nothing): fc1's output's gate and up tiles as stored, the incoming gradient's tile,
+        ``h``'s tiles and fc2's deferred gradient's (``R2`` = 0: none)."""
+        t = t0 + tl.arange(0, BT)
+        tm = (t < T) & (t < end)
+        rows = t.to(tl.int64)[:, None]
+        m = tm[:, None] & fm[None, :]
+        hg, hu = _h_tiles(h_ptr, rows, s_h, r, tm[:, None] & rm[None, :], R, HALVES)
+        p1 = tl.load(pre_ptr + rows * s_pre + f[None, :], mask=m, other=0.0)
+        p2 = tl.load(pre_ptr + rows * s_pre + F + f[None, :], mask=m, other=0.0)
+        g = tl.load(dout_ptr + rows * s_dout + f[None, :], mask=m, other=0.0)
+        d2 = tl.load(dh2_ptr + rows * s_dh2 + r2[None, :], mask=tm[:, None] & (r2 < R2)[None, :], other=0.0)
+        return p1, p2, g, hg, hu, d2
+
+    @triton.jit
     def _bwd_kernel(
         pre_ptr, h_ptr, b_ptr, dout_ptr, dh2_ptr, a2_ptr, dy_ptr, db_ptr, da2_ptr, amax_ptr,
         T, F, R, R2, s_pre, s_h, s_b, s_dout, s_dh2, s_a2, s_dy, S2, TCH: tl.constexpr,
@@ -178,18 +200,23 @@ if triton is not None:
             # (459 against 292 us at the Qwen3-8B shape, H100); this one 2 % (298 us)
             acc_mx = tl.zeros([BF], dtype=tl.float32)
         start = chunk * TCH
+        # the first token tile's loads; in the loop, each tile's loads are issued before the previous
+        # tile's arithmetic (14-28 % faster than leaving it to the compiler's pipelining)
+        nxt = _bwd_tiles(pre_ptr, h_ptr, dout_ptr, dh2_ptr, start, start + TCH, T, f, fm, r, rm, r2, R, R2,
+                         s_pre, s_h, s_dout, s_dh2, F, BT, HALVES)  # fmt: skip
         for t0 in range(0, TCH, BT):
             t = start + t0 + tl.arange(0, BT)
             tm = (t < T) & (t < start + TCH)
             rows = t.to(tl.int64)[:, None]
             m = tm[:, None] & fm[None, :]
-            hg, hu = _h_tiles(h_ptr, rows, s_h, r, tm[:, None] & rm[None, :], R, HALVES)
-            y1, y2 = _preact(pre_ptr + rows * s_pre + f[None, :], m, hg, hu, bg, bu, F, dtype, DOT_F32)
+            p1, p2, g, hg, hu, d2 = nxt
+            nxt = _bwd_tiles(pre_ptr, h_ptr, dout_ptr, dh2_ptr, start + t0 + BT, start + TCH, T, f, fm, r, rm,
+                             r2, R, R2, s_pre, s_h, s_dout, s_dh2, F, BT, HALVES)  # fmt: skip
+            y1 = (p1.to(tl.float32) + _dot(hg, bg, DOT_F32)).to(dtype).to(tl.float32)
+            y2 = (p2.to(tl.float32) + _dot(hu, bu, DOT_F32)).to(dtype).to(tl.float32)
             s = tl.sigmoid(y1)
-            g = tl.load(dout_ptr + rows * s_dout + f[None, :], mask=m, other=0.0).to(tl.float32)
+            g = g.to(tl.float32)
             if HAS_FC2:
-                d2m = tm[:, None] & (r2 < R2)[None, :]
-                d2 = tl.load(dh2_ptr + rows * s_dh2 + r2[None, :], mask=d2m, other=0.0)  # [BT, BR2]
                 g = (g + _dot(d2, a2s, DOT_F32)).to(dtype).to(tl.float32)  # fc2's input gradient, summed
                 act = (y1 * s * y2).to(dtype)  # fc2's input, as the forward made it
                 acc_a2 += _dot(tl.trans(d2), act, DOT_F32)
@@ -260,20 +287,21 @@ def _triton_backward(
     gradient for fc1's output (fc2's deferred input gradient ``s2 * dh2 @ a2`` included) and the two
     factor gradients, in one kernel plus a sum over the token chunks' partial factor gradients; with
     ``amax``, the largest |dy| of each program (fp32). ``chunks``: the number of token chunks the grid
-    aims for instead of ``BWD_BLOCKS``' programs per SM (bench/swiglu_backward.py sweeps it)."""
+    takes instead of filling ``BWD_BLOCKS``' resident programs per SM (bench/swiglu_backward.py sweeps it)."""
     pre2, h2, g2 = _flat(pre), _flat(h), _flat(dout.contiguous())
     (T, f2), R = pre2.shape, b.shape[1]
     ffn = f2 // 2
-    bt, bf, warps, stages, waves = BWD_BLOCKS
+    bt, bf, warps, stages, resident = BWD_BLOCKS
     fc2 = dh2 is not None
     d2 = _flat(dh2) if fc2 else h2
     a = a2 if fc2 else b
     br, br2 = _rank_block(R), _rank_block(a.shape[0] if fc2 else 16)
     blocks = triton.cdiv(ffn, bf)
-    # token chunks: ``waves`` programs per SM (the interpreter: a few), each chunk whole token blocks
+    # token chunks: as many as fill the ``resident`` program slots per SM once (the interpreter: a few),
+    # each chunk whole token blocks
     if chunks is None:
         sms = _sm_count(pre.device) if pre.is_cuda else 2
-        chunks = triton.cdiv(waves * sms, blocks)
+        chunks = resident * sms // blocks
     chunks = max(1, min(triton.cdiv(T, bt), chunks))
     tch = triton.cdiv(triton.cdiv(T, chunks), bt) * bt
     chunks = triton.cdiv(T, tch)
