@@ -1,13 +1,15 @@
 """Shared helpers of the LoRA tests (no tests here): tiny random Qwen checkpoints, PEFT references,
 megatron parallel state for in-process tests, a gloo launcher for multi-rank workers, and the Triton
-interpreter runner and launch counter of the kernel tests."""
+interpreter runner, launch counter and Hopper compile check of the kernel tests."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -113,6 +115,37 @@ def interpreted(test_file: str) -> dict:
     run = subprocess.run([sys.executable, test_file], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def hopper_resources(kernel, constexprs: dict, options: dict, types: dict[str, str]) -> tuple[int, int]:
+    """(registers per thread, spilled bytes) of a Triton kernel compiled for sm_90a (H100, H200) on this
+    machine, by Triton and the ptxas it ships, with ``options`` (``num_warps``, ``num_stages``,
+    ``maxnreg``) as launch keywords. Arguments not in ``constexprs``: ``types`` where given, else ``*bf16``
+    for ``*_ptr`` and ``i32``; every pointer and integer divisible by 16, the specialisation the GPU gives
+    the models' arguments, so ptxas reports what the device does (123 and 168 registers for two SwiGLU
+    backward variants, as an H200 reported them)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+        if signature[name].startswith("*") or signature[name] == "i32":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        args = [get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "kernel.cubin")]
+        report = subprocess.run(args, capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report)[1])
+    return registers, sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
 
 
 class CountingKernel:

@@ -19,13 +19,14 @@ scaling) exactly with the largest magnitude of what they wrote.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from test_lora_support import CountingKernel, interpreted
+from test_lora_support import CountingKernel, hopper_resources, interpreted
 
 from twinkle_specs.lora import swiglu as S
 from twinkle_specs.lora.functions import GradLink, LowRankDown
@@ -271,6 +272,31 @@ def test_triton_kernels_under_interpreter():
         else:
             tol = 0.0 if key.startswith(("nograd", "amax/")) else INTERP_TOL[key.split("/")[0]]
         assert err <= tol, (key, err, tol)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_kernels_compile_for_hopper_within_the_grids_register_budget():
+    """Every variant of the kernels (gate's and up's halves or a fused B; the backward with and without
+    fc2's deferred gradient; with and without the amax) compiles for sm_90a without spills, and the
+    backward within the registers that let ``BWD_BLOCKS``' resident programs share an SM: its grid takes
+    the token chunks that fill those slots once, so one register more would leave a second wave (the
+    amax's variant with halves and fc2 took 130 of the 128 before its cap). At rank 16, as the models run."""
+    bt, bf, warps, _, resident = S.BWD_BLOCKS
+    budget = S.SM_REGISTERS // (resident * warps * 32)
+    fp32 = {"db_ptr": "*fp32", "da2_ptr": "*fp32", "amax_ptr": "*fp32", "S2": "fp32"}
+    backward, forward = {}, {}
+    for amax, halves, fc2 in itertools.product((False, True), repeat=3):
+        constexprs = dict(TCH=2048, BT=bt, BF=bf, BR=16, BR2=16, HALVES=halves, HAS_FC2=fc2, AMAX=amax)
+        options = S._bwd_options(amax)
+        backward[amax, halves, fc2] = hopper_resources(
+            S._bwd_kernel, constexprs | {"DOT_F32": False}, options, fp32
+        )
+    fbt, fbf, fwarps = S.FWD_BLOCKS
+    for amax, halves in itertools.product((False, True), repeat=2):
+        constexprs = dict(BT=fbt, BF=fbf, BR=16, HALVES=halves, DOT_F32=False, AMAX=amax)
+        forward[amax, halves] = hopper_resources(S._fwd_kernel, constexprs, {"num_warps": fwarps}, fp32)
+    assert all(spills == 0 for _, spills in (*backward.values(), *forward.values())), (backward, forward)
+    assert all(registers <= budget for registers, _ in backward.values()), (budget, backward)
 
 
 @pytest.mark.gpu

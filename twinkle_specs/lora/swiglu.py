@@ -46,7 +46,7 @@ except ImportError:  # the torch path serves CPU tensors and machines without Tr
 # pipeline stages, programs resident per SM), swept on an H200 at Qwen3-8B's, Qwen3-1.7B's and
 # Qwen2.5-1.5B's shapes. The backward's loop loads the next token tile by hand, so the compiler's
 # pipelining adds nothing; 123 registers a thread let 4 programs share an SM, and the grid takes as many
-# token chunks as fill those slots once (a partly filled second wave cost up to 18 %).
+# token chunks as fill those slots once (slots left empty, or a second wave partly filled, cost up to 37 %).
 FWD_BLOCKS = (16, 128, 4)
 BWD_BLOCKS = (16, 64, 4, 1, 4)
 
@@ -101,13 +101,18 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _preact_half(p, h, bt, dtype: tl.constexpr, DOT_F32: tl.constexpr):
+        """One half (gate or up) of ``pre + h @ b.T`` for ``pre``'s loaded tile ``p``, rounded to ``dtype``, as
+        fp32; ``bt`` is the half's rows of ``b``, transposed ([R, F block]), ``h`` the columns of ``h`` they
+        meet (the same tile for both halves unless ``h`` has halves)."""
+        return (p.to(tl.float32) + _dot(h, bt, DOT_F32)).to(dtype).to(tl.float32)
+
+    @triton.jit
     def _preact(p, m, hg, hu, bg, bu, F, dtype: tl.constexpr, DOT_F32: tl.constexpr):
-        """Gate and up tiles of ``pre + h @ b.T`` at ``p`` (the gate tile's pointers), rounded to
-        ``dtype``, as fp32; ``bg``/``bu`` are the tile's rows of ``b``, transposed ([R, F block]),
-        ``hg``/``hu`` the columns of ``h`` they meet (the same tile unless ``h`` has halves)."""
-        y1 = tl.load(p, mask=m, other=0.0).to(tl.float32) + _dot(hg, bg, DOT_F32)
-        y2 = tl.load(p + F, mask=m, other=0.0).to(tl.float32) + _dot(hu, bu, DOT_F32)
-        return y1.to(dtype).to(tl.float32), y2.to(dtype).to(tl.float32)
+        """Gate and up tiles of ``pre + h @ b.T`` at ``p`` (the gate tile's pointers; see :func:`_preact_half`)."""
+        y1 = _preact_half(tl.load(p, mask=m, other=0.0), hg, bg, dtype, DOT_F32)
+        y2 = _preact_half(tl.load(p + F, mask=m, other=0.0), hu, bu, dtype, DOT_F32)
+        return y1, y2
 
     @triton.jit
     def _h_tiles(h_ptr, rows, s_h, r, hm, R, HALVES: tl.constexpr):
@@ -213,8 +218,8 @@ if triton is not None:
             p1, p2, g, hg, hu, d2 = nxt
             nxt = _bwd_tiles(pre_ptr, h_ptr, dout_ptr, dh2_ptr, start + t0 + BT, start + TCH, T, f, fm, r, rm,
                              r2, R, R2, s_pre, s_h, s_dout, s_dh2, F, BT, HALVES)  # fmt: skip
-            y1 = (p1.to(tl.float32) + _dot(hg, bg, DOT_F32)).to(dtype).to(tl.float32)
-            y2 = (p2.to(tl.float32) + _dot(hu, bu, DOT_F32)).to(dtype).to(tl.float32)
+            y1 = _preact_half(p1, hg, bg, dtype, DOT_F32)
+            y2 = _preact_half(p2, hu, bu, dtype, DOT_F32)
             s = tl.sigmoid(y1)
             g = g.to(tl.float32)
             if HAS_FC2:
@@ -262,6 +267,22 @@ def _rank_block(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
+SM_REGISTERS = 65536  # per SM on sm_80 and sm_90 (A100, H100, H200)
+
+
+def _bwd_options(amax: bool) -> dict[str, int]:
+    """The backward's launch options: ``BWD_BLOCKS``' warps and stages and, with the amax, a register cap
+    that keeps its resident programs per SM. The amax's running maximum took the variant with gate's and up's
+    halves and fc2 to 130 registers, so 3 programs per SM and a second wave for the grid that counts on 4;
+    capped, 128 without spills. tests/test_lora_swiglu.py compiles every variant for sm_90a and checks that
+    it fits."""
+    _, _, warps, stages, resident = BWD_BLOCKS
+    options = {"num_warps": warps, "num_stages": stages}
+    if amax:
+        options["maxnreg"] = SM_REGISTERS // (resident * warps * 32)
+    return options
+
+
 def _triton_forward(
     pre: torch.Tensor, h: torch.Tensor, b: torch.Tensor, amax: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -292,7 +313,7 @@ def _triton_backward(
     pre2, h2, g2 = _flat(pre), _flat(h), _flat(dout.contiguous())
     (T, f2), R = pre2.shape, b.shape[1]
     ffn = f2 // 2
-    bt, bf, warps, stages, resident = BWD_BLOCKS
+    bt, bf, _, _, resident = BWD_BLOCKS
     fc2 = dh2 is not None
     d2 = _flat(dh2) if fc2 else h2
     a = a2 if fc2 else b
@@ -314,7 +335,7 @@ def _triton_backward(
         pre2, h2, b, g2, d2, a, dy, db, da2, db if partials is None else partials, T, ffn, R, a.shape[0] if fc2 else 0,
         pre2.stride(0), h2.stride(0), b.stride(0), g2.stride(0), d2.stride(0), a.stride(0), dy.stride(0),
         float(s2), TCH=tch, BT=bt, BF=bf, BR=br, BR2=br2, HALVES=_halves(h, b), HAS_FC2=fc2, DOT_F32=not pre.is_cuda,
-        AMAX=amax, num_warps=warps, num_stages=stages,
+        AMAX=amax, **_bwd_options(amax),
     )  # fmt: skip
     d_b = db.sum(0)[:, :R].to(b.dtype)
     d_a2 = da2.sum(0)[: a2.shape[0]].to(a2.dtype) if fc2 else None
