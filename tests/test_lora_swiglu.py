@@ -286,11 +286,9 @@ def test_kernels_compile_for_hopper_within_the_grids_register_budget():
     fp32 = {"db_ptr": "*fp32", "da2_ptr": "*fp32", "amax_ptr": "*fp32", "S2": "fp32"}
     backward, forward = {}, {}
     for amax, halves, fc2 in itertools.product((False, True), repeat=3):
-        constexprs = dict(TCH=2048, BT=bt, BF=bf, BR=16, BR2=16, HALVES=halves, HAS_FC2=fc2, AMAX=amax)
-        options = S._bwd_options(amax)
-        backward[amax, halves, fc2] = hopper_resources(
-            S._bwd_kernel, constexprs | {"DOT_F32": False}, options, fp32
-        )
+        constexprs = dict(TCH=2048, BT=bt, BF=bf, BR=16, BR2=16, HALVES=halves, HAS_FC2=fc2, DOT_F32=False)
+        constexprs["AMAX"] = amax
+        backward[amax, halves, fc2] = hopper_resources(S._bwd_kernel, constexprs, S._bwd_options(amax), fp32)
     fbt, fbf, fwarps = S.FWD_BLOCKS
     for amax, halves in itertools.product((False, True), repeat=2):
         constexprs = dict(BT=fbt, BF=fbf, BR=16, HALVES=halves, DOT_F32=False, AMAX=amax)
