@@ -84,7 +84,7 @@ def measure(args: argparse.Namespace) -> dict:
     swiglu = swiglu_module()
     baseline = swiglu_module(args.baseline, "swiglu_baseline") if args.baseline else None
     results = {"device": torch.cuda.get_device_name(), "seq": args.seq, "rank": args.rank, "shapes": {}}
-    if args.baseline:
+    if baseline is not None:
         results["baseline"] = str(args.baseline)
     for shape in args.shapes:
         inputs = mlp_inputs(shape, args.seq, args.rank, "cuda", torch.bfloat16)

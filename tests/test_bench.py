@@ -1589,9 +1589,8 @@ def test_swiglu_backward_probe_passes_the_models_arguments():
     assert [tuple(t.shape) for t in (dout, pre, h, b, dh2, a2)] == [
         (8, 12288), (8, 24576), (8, 32), (24576, 16), (8, 16), (16, 12288),
     ]  # fmt: skip
-    assert s2 == 2.0 and kernel._halves(
-        h, b
-    )  # fc1's adapter with gate's and up's halves, as the 8B model has
+    assert s2 == 2.0
+    assert kernel._halves(h, b)  # fc1's adapter with gate's and up's halves, as the 8B model has
     big = [
         torch.empty(4096, 12288, dtype=torch.bfloat16, device="meta"),
         torch.empty(4096, 24576, dtype=torch.bfloat16, device="meta"),

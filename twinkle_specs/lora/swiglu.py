@@ -151,6 +151,14 @@ if triton is not None:
             tl.store(amax_ptr + program, tl.max(tl.max(tl.abs(out.to(tl.float32)), 1), 0))
 
     @triton.jit
+    def _token_tile(t0, end, T, fm, BT: tl.constexpr):
+        """The backward's token tile at ``t0``: its tokens' mask (those before ``end`` and ``T``), rows
+        (int64, [BT, 1]) and the [BT, F block] mask."""
+        t = t0 + tl.arange(0, BT)
+        tm = (t < T) & (t < end)
+        return tm, t.to(tl.int64)[:, None], tm[:, None] & fm[None, :]
+
+    @triton.jit
     def _bwd_tiles(
         pre_ptr, h_ptr, dout_ptr, dh2_ptr, t0, end, T, f, fm, r, rm, r2, R, R2, s_pre, s_h, s_dout, s_dh2, F,
         BT: tl.constexpr, HALVES: tl.constexpr,
@@ -158,10 +166,7 @@ if triton is not None:
         """The backward's loads for the token tile at ``t0`` (masked from ``end`` or ``T`` on: past the
         chunk they move nothing): fc1's output's gate and up tiles as stored, the incoming gradient's tile,
         ``h``'s tiles and fc2's deferred gradient's (``R2`` = 0: none)."""
-        t = t0 + tl.arange(0, BT)
-        tm = (t < T) & (t < end)
-        rows = t.to(tl.int64)[:, None]
-        m = tm[:, None] & fm[None, :]
+        tm, rows, m = _token_tile(t0, end, T, fm, BT)
         hg, hu = _h_tiles(h_ptr, rows, s_h, r, tm[:, None] & rm[None, :], R, HALVES)
         p1 = tl.load(pre_ptr + rows * s_pre + f[None, :], mask=m, other=0.0)
         p2 = tl.load(pre_ptr + rows * s_pre + F + f[None, :], mask=m, other=0.0)
@@ -211,10 +216,7 @@ if triton is not None:
         nxt = _bwd_tiles(pre_ptr, h_ptr, dout_ptr, dh2_ptr, start, start + TCH, T, f, fm, r, rm, r2, R, R2,
                          s_pre, s_h, s_dout, s_dh2, F, BT, HALVES)  # fmt: skip
         for t0 in range(0, TCH, BT):
-            t = start + t0 + tl.arange(0, BT)
-            tm = (t < T) & (t < start + TCH)
-            rows = t.to(tl.int64)[:, None]
-            m = tm[:, None] & fm[None, :]
+            _, rows, m = _token_tile(start + t0, start + TCH, T, fm, BT)
             p1, p2, g, hg, hu, d2 = nxt
             nxt = _bwd_tiles(pre_ptr, h_ptr, dout_ptr, dh2_ptr, start + t0 + BT, start + TCH, T, f, fm, r, rm,
                              r2, R, R2, s_pre, s_h, s_dout, s_dh2, F, BT, HALVES)  # fmt: skip
