@@ -8,7 +8,8 @@ cuDNN therefore gives TE a different cuDNN from torch's, and the one loaded firs
 then refuses its own version check; the two cannot be mixed). ``--cudnn wheel`` points ``CUDNN_HOME`` at
 the wheel's library, and puts that folder first on ``LD_LIBRARY_PATH`` (cuDNN opens its sub-libraries by
 name), before TE is imported: a child process per setting, so that the two can be timed side by side.
-torch's SDPA backends (cuDNN, flash, memory-efficient) run beside TE in each.
+torch's SDPA backends (cuDNN, flash, memory-efficient) and, where installed, FlashAttention-4 (twinkle's
+``--flash-attn-4`` path, :func:`twinkle_specs.flash_attention.attend`) run beside TE in each.
 
 Times are device times (the calls queued behind a sleep kernel, as under CUDA graphs). TFLOPS count the
 harness's causal forward (bench/flops.py) and 3.5 x that for forward + backward: the backward's five
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -126,6 +128,14 @@ def measure(args: argparse.Namespace) -> dict:
             return out.permute(2, 0, 1, 3)
 
         time_pair(name, sdpa)
+
+    if importlib.util.find_spec("flash_attn") and importlib.util.find_spec("flash_attn.cute"):
+        from twinkle_specs.flash_attention import attend
+
+        scale = d**-0.5
+        time_pair("flash_attn_4", lambda: attend(q, k, v, scale, deterministic=False))
+    else:
+        rows["flash_attn_4"] = {"error": "flash-attn-4 is not installed (scripts/gpu/stage_fa4.sh)"}
 
     return {
         "cudnn_env": {key: os.environ.get(key) for key in ("CUDNN_HOME", "CUDNN_PATH")},

@@ -1,6 +1,6 @@
 """The transformers variants: (d) transformers + PEFT LoRA, as peft's defaults run it and in the tuned
-configurations users pick for speed (:data:`TUNINGS`), and (f) a full fine-tune; sdpa attention and
-torch AdamW (fused on a GPU) throughout."""
+configurations users pick for speed (:data:`TUNINGS`), and (f) a full fine-tune; sdpa attention (one
+tuning FlashAttention-4) and torch AdamW (fused on a GPU) throughout."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class Tuning:
     liger: bool = False
     liger_only_ce: bool = False
     compile: bool = False
+    attention: str = "sdpa"  # transformers' attn_implementation
 
     def describe(self) -> str:
         parts = [
@@ -43,6 +44,7 @@ class Tuning:
             "Liger (RMSNorm, SwiGLU, RoPE, fused linear CE)" if self.liger else "",
             "Liger fused linear CE" if self.liger_only_ce else "",
             "torch.compile per decoder layer" if self.compile else "",
+            f"attn_implementation={self.attention}" if self.attention != "sdpa" else "",
         ]
         return ", ".join(p for p in parts if p) or "peft defaults (fp32 adapters, no autocast)"
 
@@ -53,6 +55,7 @@ TUNINGS = {
     "hf_peft_lora_bf16": Tuning(bf16_adapters=True),
     "hf_peft_lora_liger": Tuning(bf16_adapters=True, liger=True),
     "hf_peft_lora_compile": Tuning(bf16_adapters=True, liger_only_ce=True, compile=True),
+    "hf_peft_lora_liger_fa4": Tuning(bf16_adapters=True, liger=True, attention="flash_attention_4"),
 }
 
 
@@ -66,7 +69,9 @@ def prepare(hf_dir: Path, s: Settings, peft_lora: bool = False, tuning: Tuning =
     config = AutoConfig.from_pretrained(hf_dir)
     config.use_cache = False
     with dev:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=s.torch_dtype())
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=tuning.attention, dtype=s.torch_dtype()
+        )
     result: dict[str, Any] = {"impl": f"transformers {model.config._attn_implementation}"}
     if rule := gdn_rule(config, dev.type == "cuda"):
         result["gdn_rule"] = rule
@@ -202,6 +207,8 @@ def unavailable(hf_dir: Path, s: Settings, tuning: Tuning) -> str | None:
         peer_kits.activate("liger") is None and importlib.util.find_spec("liger_kernel") is None
     ):
         return f"liger-kernel is not installed (pip install liger-kernel; on the device: {peer_kits.STAGE})"
+    if tuning.attention == "flash_attention_4" and importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn-4 is not installed (on the device: scripts/gpu/stage_fa4.sh, install_fa4.sh)"
     if tuning.compile and not on_gpu():
         return "torch.compile is timed on a GPU only (inductor's CPU code is not the program measured)"
     return None

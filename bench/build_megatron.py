@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,8 +266,14 @@ def twinkle_model(
     if lora:
         overrides = whole_moe_layer_graphs(overrides, s)
     model = ts.build_model(
-        hf_dir, load_weights=False, lora=lora_config(s, hf_dir) if lora else None, **overrides
+        hf_dir,
+        load_weights=False,
+        lora=lora_config(s, hf_dir) if lora else None,
+        flash_attn_4=s.flash_attn_4,
+        **overrides,
     )
+    if s.flash_attn_4:
+        facts["attention"] = "FlashAttention-4 (twinkle_specs.flash_attention)"
     if timed_load and s.load:
         if any(hf_dir.glob("*.safetensors")):
             facts["load"] = time_load(model, hf_dir)
@@ -567,6 +574,18 @@ def fp8_settings(s: Settings) -> Settings:
     base's forward and input-gradient GEMMs; the adapters stay bf16 torch GEMMs)."""
     fp8 = {"fp8": s.fp8_format, "fp8_recipe": s.fp8_recipe}
     return dataclasses.replace(s, mcore_overrides=s.mcore_overrides | fp8)
+
+
+def flash_attn_4_unavailable(hf_dir: Path, s: Settings) -> str | None:
+    """Why twinkle's FlashAttention-4 attention cannot run here: no CUDA GPU, or the package missing."""
+    if not on_gpu():
+        return "FlashAttention-4's kernels need a CUDA GPU"
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        return (
+            "flash-attn-4 is not installed (pip install 'twinkle-specs[flash-attn-4]'; on the device: "
+            "scripts/gpu/stage_fa4.sh and install_fa4.sh)"
+        )
+    return None
 
 
 def graphs_unavailable() -> str | None:

@@ -37,6 +37,8 @@ class Settings:
     ce_fusion_impl: str = "te"  # te | native
     cuda_graphs: str = "none"  # none | local | transformer_engine | full_iteration
     gpu_fusions: bool = True  # rope / swiglu fusions on the Megatron side (GPU)
+    # twinkle's attention on FlashAttention-4 (build_model(flash_attn_4=True)) instead of TE's cuDNN attention
+    flash_attn_4: bool = False
     mcore_overrides: dict[str, Any] = field(default_factory=dict)
     optimizer_overrides: dict[str, Any] = field(default_factory=dict)  # megatron OptimizerConfig fields
     load: bool = True  # time HF -> Megatron loading in twinkle_full (needs the safetensors checkpoint)

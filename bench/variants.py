@@ -55,6 +55,8 @@ class Variant:
     # another configuration of that variant (its name): the report takes the fastest configuration as that
     # variant's figure against the best peer, as it takes each peer framework's fastest
     configuration_of: str | None = None
+    # twinkle's attention on FlashAttention-4 (Settings.flash_attn_4): a configuration of ours, as above
+    flash_attn_4: bool = False
 
     @property
     def base(self) -> str:
@@ -64,6 +66,7 @@ class Variant:
     def settings(self, s: Settings) -> Settings:
         """The settings this variant builds under: its own CUDA graphs and FP8's flags on top of ``s``."""
         s = dataclasses.replace(s, cuda_graphs=self.cuda_graphs) if self.cuda_graphs else s
+        s = dataclasses.replace(s, flash_attn_4=True) if self.flash_attn_4 else s
         return build_megatron.fp8_settings(s) if self.fp8 else s
 
     def why_not(self, hf_dir: Path, s: Settings) -> str | None:
@@ -72,6 +75,7 @@ class Variant:
             self.unavailable(hf_dir, self.settings(s))
             or (build_megatron.fp8_unavailable(hf_dir, s) if self.fp8 else None)
             or (build_megatron.graphs_unavailable() if self.cuda_graphs else None)
+            or (build_megatron.flash_attn_4_unavailable(hf_dir, s) if self.flash_attn_4 else None)
         )
 
     def prepare(self, hf_dir: Path, s: Settings) -> Prepared:
@@ -148,11 +152,25 @@ VARIANTS: dict[str, Variant] = {
             cuda_graphs="transformer_engine",
             configuration_of="twinkle_lora",
         ),
+        # (c-graphs) with the attention on FlashAttention-4 (twinkle_specs.flash_attention, --flash-attn-4)
+        Variant(
+            "twinkle_lora_graphs_fa4",
+            "(c-graphs-fa4) (c-graphs) with FlashAttention-4 attention",
+            "lora",
+            build_megatron.twinkle_lora,
+            default=False,
+            cuda_graphs="transformer_engine",
+            configuration_of="twinkle_lora",
+            flash_attn_4=True,
+        ),
         _hf_peer("hf_peft_lora", "(d) transformers + PEFT LoRA all-linear (sdpa), peft defaults"),
         _hf_peer("hf_peft_lora_autocast", "(d1) (d) under autocast bf16 (HF Trainer's bf16=True)"),
         _hf_peer("hf_peft_lora_bf16", "(d2) (d) with bf16 adapters"),
         _hf_peer("hf_peft_lora_liger", "(d3) (d) with bf16 adapters + Liger-Kernel"),
         _hf_peer("hf_peft_lora_compile", "(d4) (d) with bf16 adapters + Liger fused CE + torch.compile"),
+        _hf_peer(
+            "hf_peft_lora_liger_fa4", "(d5) (d3) with FlashAttention-4 (attn_implementation)", default=False
+        ),
         # its own child process only (Unsloth patches transformers, peft and trl on import); wheels:
         # bench/peers.sh
         Variant(

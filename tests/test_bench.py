@@ -1042,7 +1042,7 @@ def test_peers_preset_and_peer_kits(tmp_path, monkeypatch):
     from bench.variants import VARIANTS
 
     args = parse_args(["--preset", "peers"])
-    ours = ["twinkle_lora", "twinkle_lora_graphs"]  # (c) in each of its configurations
+    ours = ["twinkle_lora", "twinkle_lora_graphs", "twinkle_lora_graphs_fa4"]  # (c) in each configuration
     assert args.variants == ours + [v.name for v in VARIANTS.values() if v.peer and not v.fp8]
     assert {"hf_peft_lora_liger", "unsloth_lora", "mcore_bridge_lora", "megatron_bridge_lora"} <= set(
         args.variants

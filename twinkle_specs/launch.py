@@ -126,6 +126,12 @@ def add_twinkle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     g.add_argument("--lora-rslora", action="store_true", help="scale by alpha/sqrt(r) (rsLoRA)")
     g.add_argument(
+        "--flash-attn-4",
+        action="store_true",
+        help="attention on FlashAttention-4 instead of Transformer Engine's cuDNN attention (plain causal rows; "
+        "packed --sft rows keep TE's); needs the flash-attn-4 extra",
+    )
+    g.add_argument(
         "--hf-export", type=str, default=None, help="write an HF checkpoint/PEFT adapter here at the end"
     )
     g.add_argument(
@@ -292,6 +298,7 @@ class Run:
 
     hf_dir: str
     lora: object | None = None
+    flash_attn_4: bool = False
     models: list = field(default_factory=list)
     last_export: Path | None = None  # the latest --hf-export-on-save export of this run
 
@@ -336,6 +343,7 @@ def _wrap_parse_args(original):
             check_architecture(args, parsers[-1], args.hf_model)  # a LaunchError ends in main's refuse()
             check_context_parallel(args, args.hf_model, run.arch)
         run.lora = _lora_from_args(args)
+        run.flash_attn_4 = args.flash_attn_4
         global _RUN
         _RUN = run
         return args
@@ -388,10 +396,12 @@ def _wrap_gpt_init(original):
 
     @functools.wraps(original)
     def init(self, *args, **kwargs):
-        if _RUN is None or _RUN.hf_dir is None:
-            return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         config = bound.arguments["config"]
+        if _RUN is not None:
+            config.flash_attn_4 = _RUN.flash_attn_4  # read by qwen_layer_submodules
+        if _RUN is None or _RUN.hf_dir is None:
+            return original(*bound.args, **bound.kwargs)
         if _RUN.lora is not None:
             from .lora.config import set_model_facts
 

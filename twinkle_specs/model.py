@@ -33,6 +33,7 @@ def build_model(
     vp_stage: int | None = None,
     seed: int = 1234,
     lora: LoraConfig | None = None,
+    flash_attn_4: bool = False,
     **overrides: Any,
 ) -> GPTModel:
     """This rank's GPTModel stage built from ``qwen_layer_spec``, with the HF weights loaded.
@@ -40,7 +41,8 @@ def build_model(
     Needs megatron's parallel state initialized. With ``parallel_output`` (Megatron's default, what
     vocab-parallel cross-entropy wants) logits stay split over TP ranks along the vocabulary. ``overrides`` go to the TransformerConfig
     (e.g. ``params_dtype=torch.float32``, ``sequence_parallel=True``, ``moe_grouped_gemm=True``).
-    With ``lora``, the spec wraps the targeted linears and every base parameter is frozen. Applies
+    With ``lora``, the spec wraps the targeted linears and every base parameter is frozen. ``flash_attn_4``: the
+    attention runs on FlashAttention-4 (:mod:`twinkle_specs.flash_attention`; the ``flash-attn-4`` extra). Applies
     twinkle-specs' megatron-core patches first (``twinkle_specs.apply_patches``).
     """
     apply_patches()
@@ -56,6 +58,7 @@ def build_model(
 
         if "model-parallel-rng" not in get_cuda_rng_tracker().get_states():
             model_parallel_cuda_manual_seed(seed)  # TE/TP weight init draws from the model-parallel RNG
+    config.flash_attn_4 = flash_attn_4  # read by qwen_layer_submodules, as config.lora is
     if lora is not None:
         config.lora = lora  # read by qwen_layer_submodules
         set_model_facts(config, arch)

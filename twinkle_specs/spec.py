@@ -117,7 +117,19 @@ def _megatron_layer_submodules(config: TransformerConfig) -> TransformerLayerSub
         "qk_layernorm": config.qk_layernorm,
     }
     if config.transformer_impl == "transformer_engine":
-        return get_gpt_layer_with_transformer_engine_spec(**common).submodules
+        submodules = get_gpt_layer_with_transformer_engine_spec(**common).submodules
+        if getattr(config, "flash_attn_4", False):
+            from .flash_attention import with_flash_attention_4
+
+            submodules = dataclasses.replace(
+                submodules, self_attention=with_flash_attention_4(submodules.self_attention)
+            )
+        return submodules
+    if getattr(config, "flash_attn_4", False):
+        raise ValueError(
+            "--flash-attn-4 replaces Transformer Engine's attention: it needs --transformer-impl "
+            "transformer_engine (this config runs megatron-core's portable modules)"
+        )
     submodules = get_gpt_layer_local_spec(normalization=config.normalization, **common).submodules
     attention = submodules.self_attention
     portable_attention = dataclasses.replace(

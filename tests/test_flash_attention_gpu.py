@@ -1,0 +1,155 @@
+"""FlashAttention-4 as the core attention (GPU, ``twinkle_specs.flash_attention``): against Transformer Engine's
+attention and an fp32 truth, under a CUDA graph, and in a LoRA model's training step.
+
+Tolerances: bf16 attention is judged against the fp32 truth (SDPA's math backend in fp32 on the same bf16
+inputs): FlashAttention-4's relative error (Frobenius) at most 1.5x TE's plus 1e-4, output and each input
+gradient. The LoRA model: logits' cosine with TE's model at least 0.999 and every adapter gradient within
+2e-2 of the largest (bf16 attention at a different summation order, through two layers). The measured values
+go to $TWINKLE_EVIDENCE_DIR/flash-attention-gpu.json when that is set.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gpu_checks import BF16_MIN_COSINE, Evidence
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine"),
+]
+
+EVIDENCE = Evidence("flash-attention-gpu.json")
+ERROR_RATIO, ERROR_FLOOR = 1.5, 1e-4
+GRAD_REL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def flash_attn_4():
+    pytest.importorskip("flash_attn.cute", reason="needs FlashAttention-4 (the flash-attn-4 extra)")
+
+
+def _attention_config(heads: int, groups: int, head_dim: int):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+    )
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _run(attn, q, k, v, dout):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    qi, ki, vi = (t.view_as(t) for t in (q, k, v))  # made on the calling stream (a graph's, when captured)
+    out = attn(qi, ki, vi, None, attn_mask_type=AttnMaskType.causal)
+    return (out, *torch.autograd.grad(out, (qi, ki, vi), dout))
+
+
+@pytest.mark.parametrize(("heads", "groups", "head_dim", "batch"), [(32, 8, 128, 1), (8, 2, 64, 2)])
+def test_matches_te_attention_against_fp32_truth(flash_attn_4, gpu, heads, groups, head_dim, batch):
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from twinkle_specs.flash_attention import flash_attention_4_class
+
+    config = _attention_config(heads, groups, head_dim)
+    make = lambda cls: cls(config, 1, AttnMaskType.causal, "self")  # noqa: E731
+    te_attn, fa4 = make(TEDotProductAttention), make(flash_attention_4_class())
+    assert fa4.flash_attn_4_scale == pytest.approx(head_dim**-0.5)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s = 1024
+    rand = lambda h: torch.randn(s, batch, h, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = (rand(h).requires_grad_() for h in (heads, groups, groups))
+    dout = torch.randn(s, batch, heads * head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+
+    qf, kf, vf = (t.detach().float().permute(1, 2, 0, 3).requires_grad_() for t in (q, k, v))
+    truth_out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=True)
+    truth_out = truth_out.permute(2, 0, 1, 3).reshape(s, batch, -1)
+    truth = (
+        truth_out,
+        *(t.permute(2, 0, 1, 3) for t in torch.autograd.grad(truth_out, (qf, kf, vf), dout.float())),
+    )
+
+    ours, theirs = _run(fa4, q, k, v, dout), _run(te_attn, q, k, v, dout)
+    names = ("out", "dq", "dk", "dv")
+    stats = {
+        f"{n}_rel_err": {"flash_attn_4": _rel(a, t), "te": _rel(b, t)}
+        for n, a, b, t in zip(names, ours, theirs, truth, strict=True)
+    }
+
+    # the same under a CUDA graph: captured once, replayed, the eager result bit for bit
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            _run(fa4, q, k, v, dout)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _run(fa4, q, k, v, dout)
+    graph.replay()
+    torch.cuda.synchronize()
+    stats["graph_max_rel_diff"] = max(_rel(c, e) for c, e in zip(captured, ours, strict=True))
+    EVIDENCE.record(f"attention-h{heads}-g{groups}-d{head_dim}-b{batch}", **stats)
+    for n in names:
+        err = stats[f"{n}_rel_err"]
+        assert err["flash_attn_4"] <= ERROR_RATIO * err["te"] + ERROR_FLOOR, (n, stats)
+    # the query gradient's atomic sums may land in another order on replay: a few last bits of dq
+    assert stats["graph_max_rel_diff"] <= 1e-3, stats
+
+
+def test_lora_model_on_flash_attention_4_trains_as_on_te(flash_attn_4, lora_checkpoints, gpu, monkeypatch):
+    from test_lora_support import VOCAB, randomize_megatron, tokens
+
+    import twinkle_specs as ts
+    from twinkle_specs import LoraConfig, flash_attention
+    from twinkle_specs.parallel import is_adapter_param
+
+    hf = lora_checkpoints("qwen3")
+    calls = []
+    attend = flash_attention.attend
+    monkeypatch.setattr(flash_attention, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k))
+
+    def model(fa4: bool):
+        built = ts.build_model(
+            hf,
+            lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+            params_dtype=torch.bfloat16,
+            bf16=True,
+            parallel_output=False,
+            flash_attn_4=fa4,
+        )
+        randomize_megatron(built)
+        return built
+
+    toks = tokens(s=128).cuda()
+    pos = torch.arange(toks.shape[1], device="cuda").expand_as(toks)
+    results = {}
+    for fa4 in (False, True):
+        m = model(fa4)
+        kinds = {type(mod).__name__ for mod in m.modules() if "Attention" in type(mod).__name__}
+        assert ("FlashAttention4" in kinds) is fa4, kinds
+        logits = m(toks, pos, None)[..., :VOCAB].float()
+        F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), toks[:, 1:].reshape(-1)).backward()
+        grads = {n: p.grad.float() for n, p in m.named_parameters() if is_adapter_param(n)}
+        results[fa4] = (logits.detach(), grads)
+    assert len(calls) == 2, calls  # one call per layer, FlashAttention-4's model only
+    (te_logits, te_grads), (fa_logits, fa_grads) = results[False], results[True]
+    cosine = F.cosine_similarity(fa_logits.flatten().double(), te_logits.flatten().double(), dim=0).item()
+    scale = max(g.abs().max().item() for g in te_grads.values())
+    worst = max((fa_grads[n] - g).abs().max().item() for n, g in te_grads.items()) / scale
+    EVIDENCE.record("lora-qwen3-tiny", logits_cosine=cosine, grad_max_abs_over_largest=worst)
+    assert cosine >= BF16_MIN_COSINE, cosine
+    assert worst <= GRAD_REL, worst

@@ -1,0 +1,136 @@
+"""Core attention on FlashAttention-4 (the ``flash-attn-4`` package's CuTe kernels), opt in.
+
+megatron-core's TE spec runs attention through Transformer Engine's ``DotProductAttention``, which on Hopper
+picks cuDNN's fused attention. At the Qwen3-8B shape (32 query / 8 key-value heads of 128, 4096 tokens,
+causal, bf16) FlashAttention-4's Hopper kernels took 0.209 ms forward and 0.903 ms forward + backward on an
+H200 against cuDNN 9.19's 0.256 and 1.026 (``bench/attention_backends.py``); attention is the largest part of
+a LoRA step after the GEMMs. TE 2.11 has no FlashAttention-4 backend, hence this subclass of megatron's
+``TEDotProductAttention``: the same constructor, parameters and checkpoint state, and for every call it can
+serve (plain rows: no packed sequences, causal mask, no attention bias) FlashAttention-4's
+``flash_attn_func`` on the [s, b, heads, d] inputs viewed as [b, s, heads, d]. Calls it cannot serve (the
+packed rows of ``--sft``, another mask type) go to TE's forward. A config that no call could serve here
+(context parallelism, sliding windows, attention dropout, another softmax, QK-clip) is refused when the
+model is built.
+
+Chosen by ``--flash-attn-4`` (``twinkle-train``) or ``build_model(flash_attn_4=True)``; the package is the
+``flash-attn-4`` extra. Its kernels compile on first use (seconds per shape) and are captured by CUDA graphs
+like TE's. Its backward sums the query gradient with atomics unless TE's own determinism setting asks for
+a deterministic run (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, ``torch.use_deterministic_algorithms``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+FLAG = "--flash-attn-4"
+EXTRA = "pip install 'twinkle-specs[flash-attn-4]'"
+
+
+@functools.cache
+def flash_attn_func():
+    """FlashAttention-4's ``flash_attn_func``, imported on first use (the import loads the CuTe DSL)."""
+    try:
+        from flash_attn.cute import flash_attn_func as func
+    except ImportError as err:
+        raise ImportError(
+            f"{FLAG}: FlashAttention-4 is not installed ({err}); {EXTRA}, or drop {FLAG} to keep Transformer "
+            "Engine's attention"
+        ) from err
+    return func
+
+
+def config_refusal(config: Any) -> str | None:
+    """Why no forward of an attention built from ``config`` could run on FlashAttention-4 here, or None."""
+    reasons = {
+        "context parallelism (--context-parallel-size > 1)": config.context_parallel_size > 1,
+        "sliding-window attention (window_size)": getattr(config, "window_size", None) is not None,
+        "attention dropout (--attention-dropout > 0)": bool(config.attention_dropout),
+        "a softmax other than vanilla (--softmax-type)": getattr(config, "softmax_type", "vanilla")
+        not in ("vanilla", None),
+        "QK-clip or max-logit logging": bool(
+            getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False)
+        ),
+        "FP8 dot-product attention": bool(getattr(config, "fp8_dot_product_attention", False)),
+    }
+    found = [name for name, on in reasons.items() if on]
+    if not found:
+        return None
+    return f"{FLAG} runs plain causal attention; this config has {', '.join(found)}: drop {FLAG}"
+
+
+def attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, deterministic: bool
+) -> torch.Tensor:
+    """Causal attention of [s, b, heads, d] query / key / value (GQA by their head counts) as [s, b, heads * d],
+    megatron's core-attention output."""
+    s, b = query.shape[:2]
+    out = flash_attn_func()(
+        *(t.transpose(0, 1) for t in (query, key, value)),
+        softmax_scale=scale,
+        causal=True,
+        deterministic=deterministic,
+    )
+    out = out[0] if isinstance(out, tuple) else out  # (out, lse) in some releases
+    return out.transpose(0, 1).reshape(s, b, -1)
+
+
+def _te_dot_product_attention() -> type:
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    return TEDotProductAttention
+
+
+@functools.cache
+def flash_attention_4_class() -> type:
+    """:class:`FlashAttention4`'s class, built on megatron's ``TEDotProductAttention`` when first asked for
+    (importing this module does not import Transformer Engine)."""
+    base = _te_dot_product_attention()
+
+    class FlashAttention4(base):
+        """megatron's ``TEDotProductAttention`` whose plain causal calls run on FlashAttention-4 (module
+        docstring)."""
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            refusal = config_refusal(config)
+            if refusal is not None:
+                raise ValueError(refusal)
+            flash_attn_func()  # a missing package fails the build, not the first step
+            super().__init__(config, *args, **kwargs)
+            self.flash_attn_4_scale = float(self.fused_attention.softmax_scale)  # TE's, megatron's scaling in
+
+        def forward(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: torch.Tensor | None,
+            attn_mask_type: Any = None,
+            attention_bias: torch.Tensor | None = None,
+            packed_seq_params: Any = None,
+            **kwargs: Any,
+        ) -> torch.Tensor:
+            from megatron.core.transformer.enums import AttnMaskType
+
+            plain = packed_seq_params is None and attention_bias is None and not kwargs.get("num_splits")
+            if not (plain and attn_mask_type == AttnMaskType.causal):
+                mask, bias, packed = attn_mask_type, attention_bias, packed_seq_params
+                return super().forward(query, key, value, attention_mask, mask, bias, packed, **kwargs)
+            return attend(query, key, value, self.flash_attn_4_scale, self.deterministic)
+
+    return FlashAttention4
+
+
+def with_flash_attention_4(attention_spec: Any) -> Any:
+    """A self-attention ``ModuleSpec`` whose core attention is :class:`FlashAttention4`'s class."""
+    import dataclasses
+
+    return dataclasses.replace(
+        attention_spec,
+        submodules=dataclasses.replace(attention_spec.submodules, core_attention=flash_attention_4_class()),
+    )
+
+
+__all__ = ["FLAG", "attend", "config_refusal", "flash_attention_4_class", "with_flash_attention_4"]
