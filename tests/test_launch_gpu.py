@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -40,6 +41,10 @@ LOSS_RTOL = 2e-3
 # Runs that do the same arithmetic: CUDA graphs against eager, full recompute against none. Measured 0 (bit
 # for bit) in every committed run; the bound leaves room for a library's nondeterministic kernel, not more.
 SAME_RUN_RTOL = 1e-5
+# Another attention kernel (FlashAttention-4 against TE's cuDNN attention) in a bf16 run: its own rounding,
+# compounding over 8 iterations; and a run against itself where atomics order the query gradient's sums.
+FLASH_ATTN_4_RTOL = 2e-2
+GRAPHS_ATOMICS_RTOL = 2e-3
 # A resumed run against the uninterrupted one: bit for bit except, in each committed run, the second logged
 # iteration after the resume (7.8e-4 on one GPU 2026-11-24, 1.47e-3 at DP=2 under Ray 2026-11-27; the
 # iterations after it are bit for bit again, so the weights were equal).
@@ -385,6 +390,38 @@ def test_lora_cuda_graphs_match_eager(e2e, lora_eager_qwen3, impl):
         dump=False,
     )
     _check_graphs_match_eager(f"lora-qwen3-cuda-graphs-{impl}", impl, graphs, eager, log)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("flash_attn") is None, reason="needs FlashAttention-4 (the flash-attn-4 extra)"
+)
+def test_lora_flash_attn_4_trains_as_te_attention(e2e, lora_eager_qwen3):
+    """``--flash-attn-4`` through stock pretrain_gpt.py, eager and under TE's CUDA graphs: the launcher logs the
+    swap, and the losses follow the TE-attention run's (another kernel's bf16 rounding: FLASH_ATTN_4_RTOL);
+    graphs against eager within GRAPHS_ATOMICS_RTOL (FlashAttention-4 sums the query gradient with atomics)."""
+    eager, graphs, log = eager_and_graphs(
+        e2e["qwen3"],
+        e2e["root"] / "lora-fa4-eager",
+        e2e["root"] / "lora-fa4-graphs",
+        *GRAPH_RUN,
+        "--flash-attn-4",
+    )
+    layers = json.loads((e2e["qwen3"] / "config.json").read_text())["num_hidden_layers"]
+    assert f"twinkle_specs: attention on FlashAttention-4 in {layers} layers" in log, log[-2000:]
+    assert re.search(GRAPH_SIGN["transformer_engine"], log), "no CUDA-graph capture logged"
+    assert sorted(eager) == sorted(graphs) == sorted(lora_eager_qwen3) == list(range(1, 9))
+    to_te, to_eager = relative_gaps(eager, lora_eager_qwen3), relative_gaps(graphs, eager)
+    EVIDENCE.record(
+        "lora-qwen3-flash-attn-4",
+        te_eager=lora_eager_qwen3,
+        fa4_eager=eager,
+        fa4_graphs=graphs,
+        max_rel_to_te=max(to_te.values()),
+        max_rel_graphs_to_eager=max(to_eager.values()),
+    )
+    assert max(to_te.values()) <= FLASH_ATTN_4_RTOL, to_te
+    assert max(to_eager.values()) <= GRAPHS_ATOMICS_RTOL, to_eager
+    assert graphs[8] < graphs[1], graphs
 
 
 def _check_graphs_match_eager(name: str, impl: str, graphs: dict, eager: dict, log: str) -> None:

@@ -420,6 +420,9 @@ def _wrap_gpt_init(original):
             prepare_lora_model(self)
             self.sharded_state_dict = _adapter_only(self.sharded_state_dict)
             _check_expert_layout(self)
+        if config.flash_attn_4:
+            layers = sum(type(m).__name__ == "FlashAttention4" for m in self.modules())
+            print(f"twinkle_specs: attention on FlashAttention-4 in {layers} layers", flush=True)
         _maybe_dump_batches(self)
         _RUN.models.append(self)
 
