@@ -65,6 +65,7 @@ ALL_LINEAR = {"qwen3_5_text", "qwen3_5_moe_text"}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GRADIENT_CHECKPOINTING: bool | str = False
 GC_ENV = "BENCH_UNSLOTH_GRADIENT_CHECKPOINTING"
+FLASH_IMPL_ENV = "UNSLOTH_FLASH_ATTENTION_IMPL"  # Unsloth's switch of torch's flash attention implementation
 # Set before Unsloth is imported: no network on the device machine, so no Hub look-ups, no download
 # statistics (unsloth/models/_utils.py get_statistics) and no remote model-name mapper (loader_utils.py),
 # and its generated modules in a temporary folder rather than ./unsloth_compiled_cache in the repository.
@@ -76,6 +77,14 @@ OFFLINE_ENV = {
     "UNSLOTH_DISABLE_STATISTICS": "1",
     "UNSLOTH_COMPILE_LOCATION": str(Path(tempfile.gettempdir()) / "unsloth_compiled_cache"),
 }
+
+
+def unavailable_fa4(hf_dir: Path, s: Settings) -> str | None:
+    """:func:`unavailable`, and FlashAttention-4 for Unsloth's flash switch (``lora(flash_impl="fa4")``)."""
+    why = unavailable(hf_dir, s)
+    if why is None and importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn-4 is not installed (on the device: scripts/gpu/stage_fa4.sh, install_fa4.sh)"
+    return why
 
 
 def unavailable(hf_dir: Path, s: Settings) -> str | None:
@@ -184,9 +193,12 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def lora(hf_dir: Path, s: Settings) -> Prepared:
+def lora(hf_dir: Path, s: Settings, flash_impl: str | None = None) -> Prepared:
     """Unsloth LoRA (r, alpha from the settings) on the checkpoint in ``hf_dir`` (the run writes it: the
-    variant ``reads_checkpoint``), torch AdamW, random token data as :func:`bench.build_hf.prepare` makes it."""
+    variant ``reads_checkpoint``), torch AdamW, random token data as :func:`bench.build_hf.prepare` makes it.
+    ``flash_impl`` (``"fa4"``): torch's flash attention kernels swapped for that implementation process-wide
+    through Unsloth's own switch (``UNSLOTH_FLASH_ATTENTION_IMPL``, ``maybe_activate_flash_attention_impl``),
+    which its trainer turns on inside ``trainer.train()`` for packed rows; the row records whether it took."""
     peer_kits.activate("unsloth")
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
@@ -246,6 +258,12 @@ def lora(hf_dir: Path, s: Settings) -> Prepared:
         "lora_targets": targets,
         "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF"),  # unsloth_zoo sets expandable segments on import
     }
+    if flash_impl:
+        from unsloth.utils.flash_impl import FLASH_IMPL_STATE, maybe_activate_flash_attention_impl
+
+        os.environ[FLASH_IMPL_ENV] = flash_impl
+        active = maybe_activate_flash_attention_impl(model)
+        result["flash_attention_impl"] = active or f"not active: {FLASH_IMPL_STATE['reason']}"
     if rule := gdn_rule(model.config, on_cuda=True):  # Unsloth runs fla's rule as one op
         result["gdn_rule"] = rule
     target_parameters = getattr(model.peft_config["default"], "target_parameters", None)

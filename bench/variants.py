@@ -182,6 +182,18 @@ VARIANTS: dict[str, Variant] = {
             peer="Unsloth",
             reads_checkpoint=True,
         ),
+        # (j) with torch's flash attention kernels swapped for FlashAttention-4 by Unsloth's own switch, as its
+        # trainer does for packed rows
+        Variant(
+            "unsloth_lora_fa4",
+            "(j1) (j) with Unsloth's FlashAttention-4 switch (UNSLOTH_FLASH_ATTENTION_IMPL=fa4)",
+            "lora",
+            functools.partial(build_unsloth.lora, flash_impl="fa4"),
+            default=False,
+            unavailable=build_unsloth.unavailable_fa4,
+            peer="Unsloth",
+            reads_checkpoint=True,
+        ),
         # ModelScope's Megatron LoRA (ms-swift 4 on mcore-bridge): the model and adapters theirs, DDP,
         # optimizer and step the harness's; own process only (mcore-bridge patches megatron-core and peft)
         Variant(
