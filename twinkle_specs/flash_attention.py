@@ -2,20 +2,21 @@
 
 megatron-core's TE spec runs attention through Transformer Engine's ``DotProductAttention``, which on Hopper
 picks cuDNN's fused attention. At the Qwen3-8B shape (32 query / 8 key-value heads of 128, 4096 tokens,
-causal, bf16) FlashAttention-4's Hopper kernels took 0.209 ms forward and 0.903 ms forward + backward on an
-H200 against cuDNN 9.19's 0.256 and 1.026 (``bench/attention_backends.py``); attention is the largest part of
-a LoRA step after the GEMMs. TE 2.11 has no FlashAttention-4 backend, hence this subclass of megatron's
+causal, bf16) FlashAttention-4's Hopper kernels took 0.213 ms forward and 0.912 ms forward + backward on an
+H200 against TE's 0.255 and 1.044 (``bench/attention_backends.py``); attention is the largest part of a LoRA
+step after the GEMMs. TE 2.11 has no FlashAttention-4 backend, hence this subclass of megatron's
 ``TEDotProductAttention``: the same constructor, parameters and checkpoint state, and for every call it can
 serve (plain rows: no packed sequences, causal mask, no attention bias) FlashAttention-4's
 ``flash_attn_func`` on the [s, b, heads, d] inputs viewed as [b, s, heads, d]. Calls it cannot serve (the
 packed rows of ``--sft``, another mask type) go to TE's forward. A config that no call could serve here
-(context parallelism, sliding windows, attention dropout, another softmax, QK-clip) is refused when the
-model is built.
+(context parallelism, sliding windows, attention dropout, another softmax, QK-clip, FP8 attention) is
+refused when the model is built.
 
 Chosen by ``--flash-attn-4`` (``twinkle-train``) or ``build_model(flash_attn_4=True)``; the package is the
 ``flash-attn-4`` extra. Its kernels compile on first use (seconds per shape) and are captured by CUDA graphs
 like TE's. Its backward sums the query gradient with atomics unless TE's own determinism setting asks for
-a deterministic run (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, ``torch.use_deterministic_algorithms``).
+a deterministic run (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, ``torch.use_deterministic_algorithms``; that
+path not yet run on a GPU).
 """
 
 from __future__ import annotations
