@@ -176,3 +176,30 @@ def test_the_portable_path_refuses_the_flag():
     config.flash_attn_4 = True
     with pytest.raises(ValueError, match="--flash-attn-4.*--transformer-impl transformer_engine"):
         spec._megatron_layer_submodules(config)
+
+
+def test_launch_refusal_names_what_blocks_the_flag(monkeypatch):
+    """Megatron's parsed args (a namespace with the TransformerConfig's field names): the package, the portable
+    modules, then the config's reasons."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        transformer_impl="transformer_engine",
+        context_parallel_size=2,
+        attention_dropout=0.0,
+        window_size=None,
+    )
+    find = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name.startswith("flash_attn") else find(name)
+    )
+    assert "not installed: pip install 'twinkle-specs[flash-attn-4]'" in flash_attention.launch_refusal(args)
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: object() if name.startswith("flash_attn") else find(name)
+    )
+    assert "context parallelism" in flash_attention.launch_refusal(args)
+    args.transformer_impl = "local"
+    assert "--transformer-impl transformer_engine, not local" in flash_attention.launch_refusal(args)
+    args.transformer_impl, args.context_parallel_size = "transformer_engine", 1
+    assert flash_attention.launch_refusal(args) is None

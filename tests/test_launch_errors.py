@@ -158,6 +158,21 @@ def test_architecture_conflict_after_megatron_parse_is_a_config_error(checkpoint
     assert marker.read_text().startswith("--untie-embeddings-and-output-weights gives ")
 
 
+def test_flash_attn_4_without_the_package_is_a_config_error(checkpoints, tmp_path):
+    """``--flash-attn-4`` where FlashAttention-4 is not installed (this machine): refused once Megatron has
+    parsed, before any model is built, naming the flag and the extra."""
+    marker = tmp_path / "config-error.txt"
+    args = ["--hf-model", str(checkpoints("qwen3")), "--tokenizer-type", "NullTokenizer"]
+    args += ["--vocab-size", "255", "--flash-attn-4"]
+    res = _launch_subprocess(args, marker)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert marker.read_text() == (
+        "--flash-attn-4 needs FlashAttention-4, which is not installed: "
+        "pip install 'twinkle-specs[flash-attn-4]', or drop --flash-attn-4\n"
+    )
+
+
 def test_per_expert_export_the_model_cannot_take_is_refused_before_training(checkpoints, tmp_path):
     """Qwen3-MoE's HF MLP names give its routed experts' gate_up rank 2r (as peft does), which transformers 4's
     per-expert names cannot carry at the adapter's r: refused when the model is built, not at the end of

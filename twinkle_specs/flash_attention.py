@@ -22,6 +22,7 @@ path not yet run on a GPU).
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Any
 
 import torch
@@ -60,6 +61,17 @@ def config_refusal(config: Any) -> str | None:
     if not found:
         return None
     return f"{FLAG} runs plain causal attention; this config has {', '.join(found)}: drop {FLAG}"
+
+
+def launch_refusal(args: Any) -> str | None:
+    """Why ``--flash-attn-4`` cannot serve a run with Megatron's parsed ``args`` (checked before any rank builds
+    a model): the package missing, megatron's portable modules, or a config no call could serve."""
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        return f"{FLAG} needs FlashAttention-4, which is not installed: {EXTRA}, or drop {FLAG}"
+    impl = getattr(args, "transformer_impl", "transformer_engine")
+    if impl != "transformer_engine":
+        return f"{FLAG} replaces Transformer Engine's attention: it needs --transformer-impl transformer_engine, not {impl}"
+    return config_refusal(args)
 
 
 def attend(
@@ -134,4 +146,11 @@ def with_flash_attention_4(attention_spec: Any) -> Any:
     )
 
 
-__all__ = ["FLAG", "attend", "config_refusal", "flash_attention_4_class", "with_flash_attention_4"]
+__all__ = [
+    "FLAG",
+    "attend",
+    "config_refusal",
+    "flash_attention_4_class",
+    "launch_refusal",
+    "with_flash_attention_4",
+]

@@ -344,6 +344,11 @@ def _wrap_parse_args(original):
             check_context_parallel(args, args.hf_model, run.arch)
         run.lora = _lora_from_args(args)
         run.flash_attn_4 = args.flash_attn_4
+        if run.flash_attn_4:
+            from .flash_attention import launch_refusal
+
+            if refusal := launch_refusal(args):
+                raise LaunchError(refusal)  # ends in main's refuse(), as the architecture checks' do
         global _RUN
         _RUN = run
         return args
@@ -421,7 +426,9 @@ def _wrap_gpt_init(original):
             self.sharded_state_dict = _adapter_only(self.sharded_state_dict)
             _check_expert_layout(self)
         if config.flash_attn_4:
-            layers = sum(type(m).__name__ == "FlashAttention4" for m in self.modules())
+            from .flash_attention import flash_attention_4_class
+
+            layers = sum(isinstance(m, flash_attention_4_class()) for m in self.modules())
             print(f"twinkle_specs: attention on FlashAttention-4 in {layers} layers", flush=True)
         _maybe_dump_batches(self)
         _RUN.models.append(self)
