@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib.util
 import json
 import os
 import subprocess
@@ -77,6 +76,7 @@ def measure(args: argparse.Namespace) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from bench.environment import loaded_cudnn
+    from bench.peer_kits import flash_attn_4_missing
     from bench.timing import queued_cuda_ms
 
     torch.manual_seed(0)
@@ -129,13 +129,13 @@ def measure(args: argparse.Namespace) -> dict:
 
         time_pair(name, sdpa)
 
-    if importlib.util.find_spec("flash_attn") and importlib.util.find_spec("flash_attn.cute"):
+    if missing := flash_attn_4_missing():
+        rows["flash_attn_4"] = {"error": missing}
+    else:
         from twinkle_specs.flash_attention import attend
 
         scale = d**-0.5
         time_pair("flash_attn_4", lambda: attend(q, k, v, scale, deterministic=False))
-    else:
-        rows["flash_attn_4"] = {"error": "flash-attn-4 is not installed (scripts/gpu/stage_fa4.sh)"}
 
     return {
         "cudnn_env": {key: os.environ.get(key) for key in ("CUDNN_HOME", "CUDNN_PATH")},

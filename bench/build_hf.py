@@ -207,8 +207,8 @@ def unavailable(hf_dir: Path, s: Settings, tuning: Tuning) -> str | None:
         peer_kits.activate("liger") is None and importlib.util.find_spec("liger_kernel") is None
     ):
         return f"liger-kernel is not installed (pip install liger-kernel; on the device: {peer_kits.STAGE})"
-    if tuning.attention == "flash_attention_4" and importlib.util.find_spec("flash_attn") is None:
-        return "flash-attn-4 is not installed (on the device: scripts/gpu/stage_fa4.sh, install_fa4.sh)"
+    if tuning.attention == "flash_attention_4" and (missing := peer_kits.flash_attn_4_missing()):
+        return missing
     if tuning.compile and not on_gpu():
         return "torch.compile is timed on a GPU only (inductor's CPU code is not the program measured)"
     return None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -580,12 +579,9 @@ def flash_attn_4_unavailable(hf_dir: Path, s: Settings) -> str | None:
     """Why twinkle's FlashAttention-4 attention cannot run here: no CUDA GPU, or the package missing."""
     if not on_gpu():
         return "FlashAttention-4's kernels need a CUDA GPU"
-    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
-        return (
-            "flash-attn-4 is not installed (pip install 'twinkle-specs[flash-attn-4]'; on the device: "
-            "scripts/gpu/stage_fa4.sh and install_fa4.sh)"
-        )
-    return None
+    from .peer_kits import flash_attn_4_missing
+
+    return flash_attn_4_missing()
 
 
 def graphs_unavailable() -> str | None:

@@ -81,10 +81,7 @@ OFFLINE_ENV = {
 
 def unavailable_fa4(hf_dir: Path, s: Settings) -> str | None:
     """:func:`unavailable`, and FlashAttention-4 for Unsloth's flash switch (``lora(flash_impl="fa4")``)."""
-    why = unavailable(hf_dir, s)
-    if why is None and importlib.util.find_spec("flash_attn") is None:
-        return "flash-attn-4 is not installed (on the device: scripts/gpu/stage_fa4.sh, install_fa4.sh)"
-    return why
+    return unavailable(hf_dir, s) or peer_kits.flash_attn_4_missing()
 
 
 def unavailable(hf_dir: Path, s: Settings) -> str | None:

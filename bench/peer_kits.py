@@ -13,6 +13,19 @@ from pathlib import Path
 STAGE = "bash bench/peers.sh stage (here), carry .gpu/peers, bash bench/peers.sh install (there)"
 
 
+def flash_attn_4_missing() -> str | None:
+    """Why FlashAttention-4 (the ``*_fa4`` variants' kit; not a peer's, so installed for every process) cannot be
+    imported here, or None."""
+    from twinkle_specs.flash_attention import installed
+
+    if installed():
+        return None
+    return (
+        "flash-attn-4 is not installed (pip install 'twinkle-specs[flash-attn-4]'; on the device: "
+        "scripts/gpu/stage_fa4.sh and install_fa4.sh)"
+    )
+
+
 def kit_dir(kit: str) -> Path:
     return Path(os.environ.get("BENCH_PEER_KITS", "/tmp/gpu/peers")) / kit
 

@@ -111,10 +111,10 @@ def test_matches_te_attention_against_fp32_truth(flash_attn_4, gpu, heads, group
 
 
 def test_lora_model_on_flash_attention_4_trains_as_on_te(flash_attn_4, lora_checkpoints, gpu, monkeypatch):
+    from test_lora_gpu import _bf16_lora_model
     from test_lora_support import VOCAB, randomize_megatron, tokens
 
-    import twinkle_specs as ts
-    from twinkle_specs import LoraConfig, flash_attention
+    from twinkle_specs import flash_attention
     from twinkle_specs.parallel import is_adapter_param
 
     hf = lora_checkpoints("qwen3")
@@ -123,14 +123,7 @@ def test_lora_model_on_flash_attention_4_trains_as_on_te(flash_attn_4, lora_chec
     monkeypatch.setattr(flash_attention, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k))
 
     def model(fa4: bool):
-        built = ts.build_model(
-            hf,
-            lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
-            params_dtype=torch.bfloat16,
-            bf16=True,
-            parallel_output=False,
-            flash_attn_4=fa4,
-        )
+        built = _bf16_lora_model(hf, parallel_output=False, flash_attn_4=fa4)
         randomize_megatron(built)
         return built
 

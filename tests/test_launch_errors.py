@@ -147,27 +147,28 @@ def test_export_write_failure_is_one_line_exit_2(checkpoints, tmp_path, on_save)
     assert not any(out.rglob("*.safetensors")), sorted(out.rglob("*"))
 
 
-def test_architecture_conflict_after_megatron_parse_is_a_config_error(checkpoints, tmp_path):
-    """A flag that only Megatron's parsed args show to contradict the checkpoint: exit 2 and recorded."""
+def _config_error(args: list[str], tmp_path: Path) -> str:
+    """The launcher run on ``args`` in a subprocess: exit 2 without a traceback; the recorded config error."""
     marker = tmp_path / "config-error.txt"
-    args = ["--hf-model", str(checkpoints("qwen2")), "--tokenizer-type", "NullTokenizer"]
-    args += ["--vocab-size", "255", "--untie-embeddings-and-output-weights"]
     res = _launch_subprocess(args, marker)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert marker.read_text().startswith("--untie-embeddings-and-output-weights gives ")
+    return marker.read_text()
+
+
+def test_architecture_conflict_after_megatron_parse_is_a_config_error(checkpoints, tmp_path):
+    """A flag that only Megatron's parsed args show to contradict the checkpoint: exit 2 and recorded."""
+    args = ["--hf-model", str(checkpoints("qwen2")), "--tokenizer-type", "NullTokenizer"]
+    args += ["--vocab-size", "255", "--untie-embeddings-and-output-weights"]
+    assert _config_error(args, tmp_path).startswith("--untie-embeddings-and-output-weights gives ")
 
 
 def test_flash_attn_4_without_the_package_is_a_config_error(checkpoints, tmp_path):
     """``--flash-attn-4`` where FlashAttention-4 is not installed (this machine): refused once Megatron has
     parsed, before any model is built, naming the flag and the extra."""
-    marker = tmp_path / "config-error.txt"
     args = ["--hf-model", str(checkpoints("qwen3")), "--tokenizer-type", "NullTokenizer"]
     args += ["--vocab-size", "255", "--flash-attn-4"]
-    res = _launch_subprocess(args, marker)
-    assert res.returncode == 2, res.stderr[-3000:]
-    assert "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert marker.read_text() == (
+    assert _config_error(args, tmp_path) == (
         "--flash-attn-4 needs FlashAttention-4, which is not installed: "
         "pip install 'twinkle-specs[flash-attn-4]', or drop --flash-attn-4\n"
     )
@@ -177,15 +178,12 @@ def test_per_expert_export_the_model_cannot_take_is_refused_before_training(chec
     """Qwen3-MoE's HF MLP names give its routed experts' gate_up rank 2r (as peft does), which transformers 4's
     per-expert names cannot carry at the adapter's r: refused when the model is built, not at the end of
     training, naming the flag and the Megatron targets that give rank r."""
-    marker, out = tmp_path / "config-error.txt", tmp_path / "adapter"
+    out = tmp_path / "adapter"
     args = ["--hf-model", str(checkpoints("qwen3_moe")), "--tokenizer-type", "NullTokenizer"]
     args += ["--vocab-size", "255", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1"]
     args += ["--lr", "0.01", "--lora-rank", "4", "--lora-target", "all-linear", "--hf-export", str(out)]
     args += ["--hf-export-expert-layout", "per-expert"]
-    res = _launch_subprocess(args, marker)
-    assert res.returncode == 2, res.stderr[-3000:]
-    assert "Traceback" not in res.stderr, res.stderr[-3000:]
-    text = marker.read_text()
+    text = _config_error(args, tmp_path)
     assert text.startswith(
         "--hf-export-expert-layout: expert_layout 'per-expert': routed experts must have"
     ), text

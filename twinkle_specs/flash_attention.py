@@ -63,10 +63,18 @@ def config_refusal(config: Any) -> str | None:
     return f"{FLAG} runs plain causal attention; this config has {', '.join(found)}: drop {FLAG}"
 
 
+def installed() -> bool:
+    """Whether FlashAttention-4 can be imported here, without importing it (the import loads the CuTe DSL)."""
+    return (
+        importlib.util.find_spec("flash_attn") is not None
+        and importlib.util.find_spec("flash_attn.cute") is not None
+    )
+
+
 def launch_refusal(args: Any) -> str | None:
     """Why ``--flash-attn-4`` cannot serve a run with Megatron's parsed ``args`` (checked before any rank builds
     a model): the package missing, megatron's portable modules, or a config no call could serve."""
-    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+    if not installed():
         return f"{FLAG} needs FlashAttention-4, which is not installed: {EXTRA}, or drop {FLAG}"
     impl = getattr(args, "transformer_impl", "transformer_engine")
     if impl != "transformer_engine":
@@ -151,6 +159,7 @@ __all__ = [
     "attend",
     "config_refusal",
     "flash_attention_4_class",
+    "installed",
     "launch_refusal",
     "with_flash_attention_4",
 ]

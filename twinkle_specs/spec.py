@@ -116,16 +116,17 @@ def _megatron_layer_submodules(config: TransformerConfig) -> TransformerLayerSub
         "moe_grouped_gemm": config.moe_grouped_gemm,
         "qk_layernorm": config.qk_layernorm,
     }
+    flash_attn_4 = getattr(config, "flash_attn_4", False)
     if config.transformer_impl == "transformer_engine":
         submodules = get_gpt_layer_with_transformer_engine_spec(**common).submodules
-        if getattr(config, "flash_attn_4", False):
+        if flash_attn_4:
             from .flash_attention import with_flash_attention_4
 
             submodules = dataclasses.replace(
                 submodules, self_attention=with_flash_attention_4(submodules.self_attention)
             )
         return submodules
-    if getattr(config, "flash_attn_4", False):
+    if flash_attn_4:
         raise ValueError(
             "--flash-attn-4 replaces Transformer Engine's attention: it needs --transformer-impl "
             "transformer_engine (this config runs megatron-core's portable modules)"
