@@ -24,6 +24,14 @@ RATIOS = (
     ("d_over_f_tokens_per_s", "hf_peft_lora", "hf_full", "tokens_per_s_per_gpu", None),
     # packed SFT rows (useful tokens only) against (c) on random full rows: packing's cost and gain
     ("sft_over_c_tokens_per_s", "twinkle_lora_sft", "twinkle_lora", "tokens_per_s_per_gpu", None),
+    # the same packed rows with the attention on FlashAttention-4's varlen kernels against TE's THD attention
+    (
+        "sft_fa4_over_sft_tokens_per_s",
+        "twinkle_lora_sft_fa4",
+        "twinkle_lora_sft",
+        "tokens_per_s_per_gpu",
+        None,
+    ),
     # the frozen base's GEMMs in FP8 (Transformer Engine), adapters bf16; the full fine-tune for reference
     ("fp8_lora_over_lora_tokens_per_s", "twinkle_lora_fp8", "twinkle_lora", "tokens_per_s_per_gpu", 1.3),
     # the same under TE CUDA graphs, where the host's kernel launches no longer hide FP8's shorter GEMMs

@@ -241,6 +241,18 @@ VARIANTS: dict[str, Variant] = {
             interleavable=True,
             unavailable=build_megatron.packed_sft_unavailable,
         ),
+        # (g) with the attention on FlashAttention-4: its varlen kernels for the packed row
+        Variant(
+            "twinkle_lora_sft_fa4",
+            "(g-fa4) (g) with FlashAttention-4 attention (varlen)",
+            "lora",
+            build_megatron.twinkle_lora_sft,
+            default=False,
+            interleavable=True,
+            unavailable=build_megatron.packed_sft_unavailable,
+            configuration_of="twinkle_lora_sft",
+            flash_attn_4=True,
+        ),
         # the frozen base's GEMMs in FP8 through Transformer Engine (--fp8-format/--fp8-recipe), the
         # adapters bf16; and stock full fine-tuning in FP8 for reference. Not in the default list: run
         # them with --variants (they need a GPU of compute capability 8.9+).

@@ -1,8 +1,9 @@
-"""twinkle_specs.flash_attention's own logic on CPU: the layout around FlashAttention-4's call, which calls
-it serves, the configs it refuses and the spec wiring.
+"""twinkle_specs.flash_attention's own logic on CPU: the layout around FlashAttention-4's calls, plain and
+packed, which calls it serves, the configs it refuses and the spec wiring.
 
-FlashAttention-4 and Transformer Engine cannot run here. A stand-in for ``flash_attn_func`` computes causal
-GQA attention with torch's SDPA on FlashAttention's [b, s, heads, d] layout, and one for megatron's
+FlashAttention-4 and Transformer Engine cannot run here. Stand-ins for ``flash_attn_func`` and
+``flash_attn_varlen_func`` compute causal GQA attention with torch's SDPA on FlashAttention's layouts
+([b, s, heads, d]; [tokens, heads, d] with int32 bounds, one sequence at a time), and one for megatron's
 ``TEDotProductAttention`` records the calls handed back to it; the expected output is megatron's own
 layout from the portable :class:`~twinkle_specs.spec.SDPACoreAttention`. The kernels' numerics against
 TE's attention are covered by tests/test_lora_gpu.py (``-m gpu``).
@@ -14,6 +15,7 @@ import dataclasses
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,21 @@ def _fake_flash_attn_func(q, k, v, softmax_scale=None, causal=False, determinist
     return out.transpose(1, 2), None
 
 
+def _fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 softmax_scale=None, causal=False, deterministic=False):  # fmt: skip
+    """FlashAttention-4's varlen call on [tokens, heads, d]: each sequence of the bounds alone, by SDPA."""
+    assert causal and cu_seqlens_q is cu_seqlens_k and cu_seqlens_q.dtype == torch.int32
+    bounds = cu_seqlens_q.tolist()
+    assert bounds[-1] == q.shape[0] and max_seqlen_q == max_seqlen_k == max(np.diff(bounds))
+    outs = [
+        _fake_flash_attn_func(*(t[None, a:b] for t in (q, k, v)), softmax_scale=softmax_scale, causal=True)[
+            0
+        ][0]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+    return torch.cat(outs), None
+
+
 class _TEAttention(torch.nn.Module):
     """megatron's TEDotProductAttention as FlashAttention4 uses it: its constructor, TE's softmax scale on
     ``fused_attention``, ``deterministic``; its forward records what was handed to it."""
@@ -50,12 +67,13 @@ class _TEAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask, attn_mask_type, attention_bias=None,
                 packed_seq_params=None, **kwargs):  # fmt: skip
         self.handed_back.append({"mask": attn_mask_type, "packed": packed_seq_params, **kwargs})
-        return torch.zeros(query.shape[0], query.shape[1], query.shape[2] * query.shape[3])
+        return torch.zeros(*query.shape[:-2], query.shape[-2] * query.shape[-1])  # [s, b, h] or THD [t, h]
 
 
 @pytest.fixture
 def stand_ins(monkeypatch):
     monkeypatch.setattr(flash_attention, "flash_attn_func", lambda: _fake_flash_attn_func)
+    monkeypatch.setattr(flash_attention, "flash_attn_varlen_func", lambda: _fake_flash_attn_varlen_func)
     monkeypatch.setattr(flash_attention, "_te_dot_product_attention", lambda: _TEAttention)
     flash_attention.flash_attention_4_class.cache_clear()
     yield flash_attention.flash_attention_4_class()
@@ -103,7 +121,6 @@ def test_attention_matches_megatrons_layout_and_gradients(stand_ins, batch):
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        ({"packed_seq_params": "thd"}, {"mask": AttnMaskType.causal, "packed": "thd"}),
         ({"attention_bias": torch.zeros(1)}, {"mask": AttnMaskType.causal, "packed": None}),
         (
             {"attn_mask_type": AttnMaskType.padding_causal},
@@ -140,14 +157,68 @@ def test_a_plain_config_is_not_refused():
     assert flash_attention.config_refusal(_config()) is None
 
 
+def _packed(bounds: list[int], padded: list[int] | None = None, **fields):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    pad = None if padded is None else torch.tensor(padded, dtype=torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad,
+        max_seqlen_q=int(max(np.diff(bounds))), max_seqlen_kv=int(max(np.diff(bounds))), **fields,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mask", [AttnMaskType.causal, AttnMaskType.padding_causal])
+@pytest.mark.parametrize(
+    ("bounds", "padded"),
+    [([0, 5, 6, 13], None), ([0, 3, 7, 12], [0, 5, 9, 13])],  # 13 tokens; 2 + 2 + 1 of padding
+    ids=["bounds", "padded-bounds"],
+)
+def test_packed_rows_attend_inside_each_sequence(stand_ins, mask, bounds, padded):
+    """THD ([tokens, heads, d] in, [tokens, heads * d] out): causal inside each sequence, the padded bounds
+    where given, outputs and gradients as the portable core attention's packed path computes them."""
+    config = _config()
+    attn = stand_ins(config, 1, AttnMaskType.causal, "self")
+    reference = SDPACoreAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=SCALE)
+    q, k, v = (t[:, 0] for t in _qkv(13, 1, heads=4, groups=2, d=8))
+    params = _packed(bounds, padded)
+    got = attn(q, k, v, None, attn_mask_type=mask, packed_seq_params=params)
+    want = reference(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
+    assert got.shape == (13, 32) and attn.handed_back == []
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    dout = torch.randn_like(want)
+    for g, w in zip(
+        torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout), strict=True
+    ):
+        torch.testing.assert_close(g, w, rtol=TOL, atol=TOL)
+
+
+def test_packed_rows_it_cannot_serve_go_to_transformer_engine(stand_ins):
+    """Keys bounded other than the queries, a dynamic context-parallel group, the non-causal padding mask:
+    TE's forward, with the call as it came."""
+    attn = stand_ins(_config(), 1, AttnMaskType.causal, "self")
+    q, k, v = (t[:, 0] for t in _qkv(8, 1, heads=4, groups=2, d=8))
+    other_keys = _packed([0, 4, 8])
+    other_keys.cu_seqlens_kv = other_keys.cu_seqlens_kv.clone()
+    calls = [
+        (other_keys, AttnMaskType.padding_causal),
+        (_packed([0, 4, 8], local_cp_size=2), AttnMaskType.causal),
+        (_packed([0, 4, 8]), AttnMaskType.padding),
+    ]
+    for params, mask in calls:
+        assert not attn(q, k, v, None, attn_mask_type=mask, packed_seq_params=params).any()
+    assert attn.handed_back == [{"mask": mask, "packed": params} for params, mask in calls]
+
+
 def test_missing_package_names_the_flag_and_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn.cute", None)  # import fails as if not installed
-    flash_attention.flash_attn_func.cache_clear()
+    flash_attention._kernels.cache_clear()
     try:
-        with pytest.raises(ImportError, match=r"--flash-attn-4.*twinkle-specs\[flash-attn-4\]"):
-            flash_attention.flash_attn_func()
+        for kernel in (flash_attention.flash_attn_func, flash_attention.flash_attn_varlen_func):
+            with pytest.raises(ImportError, match=r"--flash-attn-4.*twinkle-specs\[flash-attn-4\]"):
+                kernel()
     finally:
-        flash_attention.flash_attn_func.cache_clear()
+        flash_attention._kernels.cache_clear()
 
 
 def test_the_spec_swaps_only_the_core_attention(stand_ins, monkeypatch):

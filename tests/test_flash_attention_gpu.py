@@ -146,3 +146,125 @@ def test_lora_model_on_flash_attention_4_trains_as_on_te(flash_attn_4, lora_chec
     EVIDENCE.record("lora-qwen3-tiny", logits_cosine=cosine, grad_max_abs_over_largest=worst)
     assert cosine >= BF16_MIN_COSINE, cosine
     assert worst <= GRAD_REL, worst
+
+
+def _thd_params(real: list[int], padded: list[int] | None):
+    """megatron's THD PackedSeqParams as TE takes them: the real bounds, and the padded ones where given."""
+    import numpy as np
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    def cu(lengths):
+        return torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device="cuda")
+
+    bounds, pad = cu(real), None if padded is None else cu(padded)
+    longest = max(padded or real)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=bounds,
+        cu_seqlens_kv=bounds,
+        cu_seqlens_q_padded=pad,
+        cu_seqlens_kv_padded=pad,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["bounds", "padded-bounds"])
+def test_packed_rows_match_te_attention_against_fp32_truth(flash_attn_4, gpu, padded, monkeypatch):
+    """A packed row of five sequences (one of a single token) at the Qwen3-8B heads: FlashAttention-4's
+    varlen call against TE's THD attention, both against each sequence alone in fp32, on the real tokens.
+    With padded bounds (each sequence padded to a multiple of 64, as context parallelism pads) the padding
+    takes no loss (zero output gradient), as megatron's SFT loss mask has it."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from twinkle_specs import flash_attention
+
+    calls = []
+    attend_packed = flash_attention.attend_packed
+    monkeypatch.setattr(
+        flash_attention, "attend_packed", lambda *a, **k: calls.append(1) or attend_packed(*a, **k)
+    )
+    heads, groups, head_dim = 32, 8, 128
+    config = _attention_config(heads, groups, head_dim)
+    make = lambda cls: cls(config, 1, AttnMaskType.causal, "self")  # noqa: E731
+    te_attn, fa4 = make(TEDotProductAttention), make(flash_attention.flash_attention_4_class())
+    real = [700, 1, 1500, 297, 1598]
+    lengths = [-(-n // 64) * 64 for n in real] if padded else real
+    params = _thd_params(real, lengths if padded else None)
+    tokens = sum(lengths)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    used = torch.zeros(tokens, dtype=torch.bool, device="cuda")
+    for a, n in zip(starts, real, strict=True):
+        used[a : a + n] = True
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda h: torch.randn(tokens, h, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = (rand(h).requires_grad_() for h in (heads, groups, groups))
+    dout = torch.randn(tokens, heads * head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    dout[~used] = 0
+
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    outs = []
+    for a, n in zip(starts, real, strict=True):
+        one = [t[a : a + n].transpose(0, 1)[None] for t in (qf, kf, vf)]  # [1, h, n, d]
+        out = F.scaled_dot_product_attention(*one, is_causal=True, enable_gqa=True)
+        outs.append((a, out[0].transpose(0, 1).reshape(n, -1)))
+    truth_out = torch.zeros(tokens, heads * head_dim, device="cuda")
+    for a, out in outs:
+        truth_out = truth_out.index_put((torch.arange(a, a + out.shape[0], device="cuda"),), out)
+    truth = (truth_out, *torch.autograd.grad(truth_out, (qf, kf, vf), dout.float()))
+
+    def run(attn):
+        qi, ki, vi = (t.view_as(t) for t in (q, k, v))
+        out = attn(qi, ki, vi, None, attn_mask_type=AttnMaskType.padding_causal, packed_seq_params=params)
+        out = out.reshape(tokens, -1)
+        return (out, *torch.autograd.grad(out, (qi, ki, vi), dout))
+
+    ours, theirs = run(fa4), run(te_attn)
+    assert len(calls) == 1, calls
+    names = ("out", "dq", "dk", "dv")
+    stats = {
+        f"{n}_rel_err": {"flash_attn_4": _rel(a[used], t[used]), "te": _rel(b[used], t[used])}
+        for n, a, b, t in zip(names, ours, theirs, truth, strict=True)
+    }
+    stats["padding_grads_max_abs"] = max(t[~used].abs().max().item() for t in ours[1:]) if padded else 0.0
+    EVIDENCE.record(f"packed-h{heads}-g{groups}-d{head_dim}-{'padded' if padded else 'plain'}", **stats)
+    for n in names:
+        err = stats[f"{n}_rel_err"]
+        assert err["flash_attn_4"] <= ERROR_RATIO * err["te"] + ERROR_FLOOR, (n, stats)
+    assert stats["padding_grads_max_abs"] == 0.0, stats  # no loss there, no gradient from there
+
+
+def test_deterministic_backward_repeats_bit_for_bit(flash_attn_4, gpu):
+    """TE's determinism setting (``deterministic``, from NVTE_ALLOW_NONDETERMINISTIC_ALGO=0) reaches
+    FlashAttention-4's backward: two runs give the same gradients bit for bit, plain and packed."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from twinkle_specs.flash_attention import flash_attention_4_class
+
+    config = _attention_config(32, 8, 128)
+    fa4 = flash_attention_4_class()(config, 1, AttnMaskType.causal, "self")
+    fa4.deterministic = True
+    g = torch.Generator(device="cuda").manual_seed(1)
+    s = 2048
+    rand = lambda h: torch.randn(s, 1, h, 128, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = (rand(h).requires_grad_() for h in (32, 8, 8))
+    dout = torch.randn(s, 1, 32 * 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    params = _thd_params([500, 1000, 548], None)
+    repeats = {}
+    for name, call in {
+        "plain": lambda: _run(fa4, q, k, v, dout)[1:],
+        "packed": lambda: _packed_grads(fa4, q, k, v, dout, params),
+    }.items():
+        first, second = call(), call()
+        repeats[name] = all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    EVIDENCE.record("deterministic-backward", bitwise_equal=repeats)
+    assert all(repeats.values()), repeats
+
+
+def _packed_grads(attn, q, k, v, dout, params):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    qi, ki, vi = (t[:, 0] for t in (q, k, v))
+    out = attn(qi, ki, vi, None, attn_mask_type=AttnMaskType.padding_causal, packed_seq_params=params)
+    return torch.autograd.grad(out, (q, k, v), dout[:, 0])

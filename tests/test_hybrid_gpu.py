@@ -154,7 +154,7 @@ MIX_BF16_RTOL = 4e-2
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 def test_gdn_mixing_cuda_path_gradients_match_the_portable_path(packed, tmp_path_factory, gpu):
     import twinkle_specs as ts
-    from twinkle_specs.gdn import PackedRow
+    from twinkle_specs.packed_sequences import PackedRow
 
     hf = make_hybrid_checkpoint("qwen3_5", tmp_path_factory.mktemp("mixing") / "qwen3_5")
     layer, reference = (

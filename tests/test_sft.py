@@ -166,25 +166,29 @@ def test_packed_row_matches_peft_on_each_conversation(kind, chat_checkpoint, tmp
     assert worst <= LOGITS_TOL
 
 
-def test_gated_deltanet_layers_of_a_micro_batch_share_one_packed_row():
-    """The packed sequences every Gated DeltaNet layer of a micro-batch restarts at are read from the
-    bounds once (a host wait on a GPU) and their tensors made once; the padded bounds where given; another
-    micro-batch (new bounds) gets its own; a row that is not one THD micro-batch is refused."""
-    from twinkle_specs.gdn import PackedRow
+def test_layers_of_a_micro_batch_share_one_packed_row():
+    """The packed sequences every Gated DeltaNet or FlashAttention-4 layer of a micro-batch restarts at are
+    read from the bounds once (a host wait on a GPU) and their tensors made once; the padded bounds where
+    given; tokens after the last bound are one more span; another micro-batch (new bounds) gets its own; a
+    row that is not one THD micro-batch is refused."""
+    from twinkle_specs.gdn import packed_row
+    from twinkle_specs.packed_sequences import PackedRow
 
     cu = torch.tensor([0, 5, 6, 12], dtype=torch.int32)
     params, x = _packed_params(cu), torch.zeros(1, 12, 4)
-    row = PackedRow.of(params, x)
-    assert row.spans == [(0, 5), (5, 6), (6, 12)]
-    assert PackedRow.of(params, x) is row and row.starts is row.starts
+    row = packed_row(params, x)
+    assert row.spans == [(0, 5), (5, 6), (6, 12)] and row.longest == 6
+    assert PackedRow.of(params, 12, x.device) is row and row.starts is row.starts
     assert row.starts.tolist() == [0] * 5 + [5] + [6] * 6 and row.cu_seqlens.tolist() == [0, 5, 6, 12]
+    assert row.cu_seqlens_int32.dtype == torch.int32 and row.cu_seqlens_int32.tolist() == [0, 5, 6, 12]
     assert row.places(2).tolist() == [2, 3, 4, 5, 6, 9, 12, 13, 14, 15, 16, 17]  # 2 zeros before each
+    assert PackedRow.of(params, 14, x.device).spans == [(0, 5), (5, 6), (6, 12), (12, 14)]
     padded = _packed_params(cu)
     padded.cu_seqlens_q_padded = torch.tensor([0, 8, 12], dtype=torch.int32)
-    other = PackedRow.of(padded, x)
-    assert other is not row and other.spans == [(0, 8), (8, 12)]
+    other = packed_row(padded, x)
+    assert other is not row and other.spans == [(0, 8), (8, 12)] and other.longest == 8
     with pytest.raises(NotImplementedError, match="micro-batch 1"):
-        PackedRow.of(params, torch.zeros(2, 12, 4))
+        packed_row(params, torch.zeros(2, 12, 4))
     key = id(cu)
     assert key in PackedRow._rows
     del params, padded, cu  # the micro-batch's bounds go: so does what was kept for them

@@ -35,14 +35,30 @@ EVIDENCE = Evidence("sft-gpu.json")
 LOSS_RTOL = 2e-3
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_next"])
-def test_packed_row_on_the_te_path(kind, tmp_path, gpu):
+@pytest.mark.parametrize(
+    ("kind", "flash_attn_4"),
+    [("qwen3", False), ("qwen3_moe", False), ("qwen3_next", False), ("qwen3", True), ("qwen3_next", True)],
+)
+def test_packed_row_on_the_te_path(kind, flash_attn_4, tmp_path, gpu, monkeypatch):
+    """With ``flash_attn_4`` the attention layers run on FlashAttention-4: the packed row on its varlen call,
+    each conversation alone on its plain one (the hybrid's gated attention layers too)."""
     import peft
     from test_lora_support import hf_model, randomize_peft
 
     import twinkle_specs as ts
-    from twinkle_specs import LoraConfig, load_peft_adapter
+    from twinkle_specs import LoraConfig, flash_attention, load_peft_adapter
     from twinkle_specs.sft import QwenChatTokenizer
+
+    calls = {"attend": 0, "attend_packed": 0}
+    if flash_attn_4:
+        pytest.importorskip("flash_attn.cute", reason="needs FlashAttention-4 (the flash-attn-4 extra)")
+        for name in calls:
+            kernel = getattr(flash_attention, name)
+            monkeypatch.setattr(
+                flash_attention,
+                name,
+                lambda *a, _n=name, _k=kernel, **kw: calls.update({_n: calls[_n] + 1}) or _k(*a, **kw),
+            )
 
     hf = tmp_path / kind
     (make_hybrid_checkpoint if kind == "qwen3_next" else make_checkpoint)(kind, hf)
@@ -61,6 +77,7 @@ def test_packed_row_on_the_te_path(kind, tmp_path, gpu):
         params_dtype=torch.bfloat16,
         bf16=True,
         parallel_output=False,
+        flash_attn_4=flash_attn_4,
     ).eval()
     load_peft_adapter(model, tmp_path / "adapter")
     row = {k: v.cuda() for k, v in pack(tok, convs, ROW).items()}
@@ -91,8 +108,17 @@ def test_packed_row_on_the_te_path(kind, tmp_path, gpu):
         packed_vs_alone_mean_abs=max(packed_vs_alone),
         alone_bf16_vs_fp32_mean_abs=max(alone_vs_fp32),
     )
-    EVIDENCE.record(kind, **stats)
+    if flash_attn_4:
+        attention_layers = sum(
+            isinstance(m, flash_attention.flash_attention_4_class()) for m in model.modules()
+        )
+        stats["flash_attn_4_calls"] = dict(calls, layers=attention_layers)
+    EVIDENCE.record(f"{kind}-flash-attn-4" if flash_attn_4 else kind, **stats)
     print(kind, stats)
+    if flash_attn_4:  # two packed forwards; one plain forward per conversation
+        assert calls == {"attend": attention_layers * len(convs), "attend_packed": 2 * attention_layers}, (
+            calls
+        )
     assert row["loss_mask"].sum() == count
     assert stats["loss_rel_diff"] <= LOSS_RTOL, stats
     # packing changes a conversation's logits less than bf16 itself does (attention across sequences,
@@ -105,13 +131,20 @@ def test_packed_row_on_the_te_path(kind, tmp_path, gpu):
 )
 @pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="needs the sft extra (datasets)")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine")
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_5_vl"])
-def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, tmp_path):
+@pytest.mark.parametrize(
+    ("kind", "flash_attn_4"),
+    [("qwen3", False), ("qwen3_moe", False), ("qwen3_5_vl", False), ("qwen3", True), ("qwen3_5_vl", True)],
+)
+def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, flash_attn_4, tmp_path):
     """Stock pretrain_gpt.py --sft through the launcher, LoRA in bf16 on Qwen3, Qwen3-MoE and Qwen3.5 (the
     multimodal checkpoint; Gated DeltaNet layers on packed rows): iteration 1's loss (a zero adapter) is
     transformers' on the same conversations with the answer-only mask; the PEFT adapter exported at
-    iteration 3's save gives in peft the loss Megatron logs at iteration 4; and the loss falls."""
+    iteration 3's save gives in peft the loss Megatron logs at iteration 4; and the loss falls. With
+    ``--flash-attn-4`` the packed rows Megatron-LM builds run on FlashAttention-4's varlen kernels."""
     from test_launch_gpu import run_logged, train_flags
+
+    if flash_attn_4:
+        pytest.importorskip("flash_attn.cute", reason="needs FlashAttention-4 (the flash-attn-4 extra)")
 
     if kind.startswith("qwen3_5"):
         hf = make_hybrid_checkpoint(kind, tmp_path / kind, max_position_embeddings=ROW)
@@ -151,11 +184,14 @@ def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, tmp_path):
         "--hf-export",
         str(export),
         "--hf-export-on-save",
+        *(["--flash-attn-4"] if flash_attn_4 else []),
     ]
     dumps = tmp_path / "batches"
     env = dict(os.environ, TWINKLE_DUMP_BATCHES=str(dumps), TWINKLE_DUMP_BATCHES_COUNT="8")
-    losses, log = run_logged(cmd, f"sft-lora-{kind}", env)
+    name = f"sft-lora-{kind}" + ("-flash-attn-4" if flash_attn_4 else "")
+    losses, log = run_logged(cmd, name, env)
     assert sorted(losses) == list(range(1, 7)), log[-3000:]
+    assert ("twinkle_specs: attention on FlashAttention-4 in" in log) is flash_attn_4, log[-3000:]
 
     def transformers_loss(adapter, micro_batches) -> float:
         model = hf_checkpoint_model(hf).cuda()
@@ -181,7 +217,7 @@ def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, tmp_path):
     first = transformers_loss(None, range(0, 2))
     peft4 = transformers_loss(export / "iter_0000003", range(6, 8))
     stats = dict(megatron=losses, transformers_iter1=first, peft_iter4=peft4)
-    EVIDENCE.record(f"pretrain-gpt-sft-lora-{kind}", **stats)
+    EVIDENCE.record(f"pretrain-gpt-{name}", **stats)
     print(stats)
     assert abs(losses[1] - first) <= LOSS_RTOL * first, stats
     assert abs(losses[4] - peft4) <= LOSS_RTOL * peft4, stats

@@ -6,17 +6,22 @@ causal, bf16) FlashAttention-4's Hopper kernels took 0.213 ms forward and 0.912 
 H200 against TE's 0.255 and 1.044 (``bench/attention_backends.py``); attention is the largest part of a LoRA
 step after the GEMMs. TE 2.11 has no FlashAttention-4 backend, hence this subclass of megatron's
 ``TEDotProductAttention``: the same constructor, parameters and checkpoint state, and for every call it can
-serve (plain rows: no packed sequences, causal mask, no attention bias) FlashAttention-4's
-``flash_attn_func`` on the [s, b, heads, d] inputs viewed as [b, s, heads, d]. Calls it cannot serve (the
-packed rows of ``--sft``, another mask type) go to TE's forward. A config that no call could serve here
-(context parallelism, sliding windows, attention dropout, another softmax, QK-clip, FP8 attention) is
-refused when the model is built.
+serve FlashAttention-4: plain rows (causal, no attention bias) through ``flash_attn_func`` on the
+[s, b, heads, d] inputs viewed as [b, s, heads, d], and the packed rows of ``--sft`` (THD, megatron's
+``PackedSeqParams``) through ``flash_attn_varlen_func``, causal inside each sequence. A packed row's sequences
+are its padded bounds where given (as megatron's RoPE and the portable attention take them): each real token
+attends to exactly what TE's padding-aware call gives it, and the padding after a sequence's real tokens (no
+loss, no gradient) attends within its sequence where TE writes zeros. Calls it cannot serve (another mask
+type, attention bias, ``num_splits``, packed rows with other key bounds or a dynamic context-parallel
+group) go to TE's forward. A config that no call could serve here (context parallelism, sliding windows,
+attention dropout, another softmax, QK-clip, FP8 attention) is refused when the model is built.
 
 Chosen by ``--flash-attn-4`` (``twinkle-train``) or ``build_model(flash_attn_4=True)``; the package is the
 ``flash-attn-4`` extra. Its kernels compile on first use (seconds per shape) and are captured by CUDA graphs
 like TE's. Its backward sums the query gradient with atomics unless TE's own determinism setting asks for
-a deterministic run (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, ``torch.use_deterministic_algorithms``; that
-path not yet run on a GPU).
+a deterministic run (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, ``torch.use_deterministic_algorithms``). A
+packed row's bounds are read on the host once per micro-batch (:class:`~twinkle_specs.packed_sequences.PackedRow`:
+varlen kernels size their grid by the longest sequence).
 """
 
 from __future__ import annotations
@@ -27,21 +32,33 @@ from typing import Any
 
 import torch
 
+from .packed_sequences import PackedRow, packed_bounds
+
 FLAG = "--flash-attn-4"
 EXTRA = "pip install 'twinkle-specs[flash-attn-4]'"
 
 
 @functools.cache
-def flash_attn_func():
-    """FlashAttention-4's ``flash_attn_func``, imported on first use (the import loads the CuTe DSL)."""
+def _kernels() -> Any:
+    """FlashAttention-4's ``flash_attn.cute``, imported on first use (the import loads the CuTe DSL)."""
     try:
-        from flash_attn.cute import flash_attn_func as func
+        import flash_attn.cute as cute
     except ImportError as err:
         raise ImportError(
             f"{FLAG}: FlashAttention-4 is not installed ({err}); {EXTRA}, or drop {FLAG} to keep Transformer "
             "Engine's attention"
         ) from err
-    return func
+    return cute
+
+
+def flash_attn_func():
+    """FlashAttention-4's ``flash_attn_func`` (rows of one length, [b, s, heads, d])."""
+    return _kernels().flash_attn_func
+
+
+def flash_attn_varlen_func():
+    """FlashAttention-4's ``flash_attn_varlen_func`` (packed sequences, [tokens, heads, d] and their bounds)."""
+    return _kernels().flash_attn_varlen_func
 
 
 def config_refusal(config: Any) -> str | None:
@@ -98,6 +115,45 @@ def attend(
     return out.transpose(0, 1).reshape(s, b, -1)
 
 
+def attend_packed(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    row: PackedRow,
+    scale: float,
+    deterministic: bool,
+) -> torch.Tensor:
+    """Causal attention inside each sequence of a packed row: [tokens, heads, d] query / key / value (THD)
+    as [tokens, heads * d], megatron's core-attention output for THD."""
+    out = flash_attn_varlen_func()(
+        query,
+        key,
+        value,
+        cu_seqlens_q=row.cu_seqlens_int32,
+        cu_seqlens_k=row.cu_seqlens_int32,
+        max_seqlen_q=row.longest,
+        max_seqlen_k=row.longest,
+        softmax_scale=scale,
+        causal=True,
+        deterministic=deterministic,
+    )
+    out = out[0] if isinstance(out, tuple) else out
+    return out.reshape(query.shape[0], -1)
+
+
+def packed_row(params: Any, tokens: int, device: torch.device) -> PackedRow | None:
+    """The sequences of a packed micro-batch that FlashAttention-4 can serve, or None for TE's forward: THD
+    self-attention (the keys' bounds the queries'), no dynamic context-parallel group."""
+    if params.qkv_format != "thd" or getattr(params, "cp_group", None) is not None:
+        return None
+    if getattr(params, "local_cp_size", None) not in (None, 1):
+        return None
+    kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+    if kv is not packed_bounds(params):
+        return None
+    return PackedRow.of(params, tokens, device)
+
+
 def _te_dot_product_attention() -> type:
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
@@ -111,8 +167,8 @@ def flash_attention_4_class() -> type:
     base = _te_dot_product_attention()
 
     class FlashAttention4(base):
-        """megatron's ``TEDotProductAttention`` whose plain causal calls run on FlashAttention-4 (module
-        docstring)."""
+        """megatron's ``TEDotProductAttention`` whose causal calls, plain rows or packed, run on
+        FlashAttention-4 (module docstring)."""
 
         def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
             refusal = config_refusal(config)
@@ -135,11 +191,17 @@ def flash_attention_4_class() -> type:
         ) -> torch.Tensor:
             from megatron.core.transformer.enums import AttnMaskType
 
-            plain = packed_seq_params is None and attention_bias is None and not kwargs.get("num_splits")
-            if not (plain and attn_mask_type == AttnMaskType.causal):
-                mask, bias, packed = attn_mask_type, attention_bias, packed_seq_params
-                return super().forward(query, key, value, attention_mask, mask, bias, packed, **kwargs)
-            return attend(query, key, value, self.flash_attn_4_scale, self.deterministic)
+            masks = [AttnMaskType.causal]
+            if packed_seq_params is not None:  # TE's name for causal over THD bounds, padded or not
+                masks.append(AttnMaskType.padding_causal)
+            served = attn_mask_type in masks and attention_bias is None and not kwargs.get("num_splits")
+            if served and packed_seq_params is None:
+                return attend(query, key, value, self.flash_attn_4_scale, self.deterministic)
+            row = packed_row(packed_seq_params, query.shape[0], query.device) if served else None
+            if row is not None:
+                return attend_packed(query, key, value, row, self.flash_attn_4_scale, self.deterministic)
+            mask, bias, packed = attn_mask_type, attention_bias, packed_seq_params
+            return super().forward(query, key, value, attention_mask, mask, bias, packed, **kwargs)
 
     return FlashAttention4
 
@@ -157,6 +219,7 @@ def with_flash_attention_4(attention_spec: Any) -> Any:
 __all__ = [
     "FLAG",
     "attend",
+    "attend_packed",
     "config_refusal",
     "flash_attention_4_class",
     "installed",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +29,7 @@ from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from twinkle_specs import gdn_conv, gdn_cp
+from twinkle_specs.packed_sequences import PackedRow
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -277,7 +277,7 @@ class PortableGatedDeltaNet(GatedDeltaNet):
                 raise ValueError(CP_PACKED_ROWS)
             qkvzba = gdn_cp.sequence_to_heads(qkvzba.index_select(-1, self._cp_order), self.pg_collection.cp)
         qkvzba = qkvzba.transpose(0, 1)  # [b, s, x]
-        row = None if packed_seq_params is None else PackedRow.of(packed_seq_params, qkvzba)
+        row = None if packed_seq_params is None else packed_row(packed_seq_params, qkvzba)
         out = self._mix(qkvzba, row).transpose(0, 1)
         if self.cp_size > 1:
             out = gdn_cp.heads_to_sequence(out, self.pg_collection.cp)
@@ -380,64 +380,9 @@ class PortableGatedDeltaNet(GatedDeltaNet):
         """Weights come from the checkpoint; the random init of megatron-core's module needs CUDA."""
 
 
-def packed_bounds(params) -> torch.Tensor:
-    """The sequence bounds of a packed batch (megatron's ``PackedSeqParams``) that every layer restarts at:
-    the padded ones where given, as megatron's RoPE uses them."""
-    return params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-
-
-class PackedRow:
-    """One micro-batch's packed sequences as every Gated DeltaNet layer takes them: ``spans``, the [start, end)
-    of each sequence (the padded bounds where given, covering all tokens), and the tensors the kernels read,
-    made once per micro-batch (:meth:`of`): reading the bounds makes the host wait for the GPU, and each
-    small host-to-device copy waits again, once per layer otherwise."""
-
-    # id of a live bounds tensor -> {row length: PackedRow} (tensors compare by value, so no WeakKeyDictionary)
-    _rows: dict[int, dict[int, PackedRow]] = {}
-
-    def __init__(self, spans: list[tuple[int, int]], device: torch.device) -> None:
-        self.spans, self.device = spans, device
-        self._places: dict[int, torch.Tensor] = {}
-
-    @classmethod
-    def of(cls, params, qkvzba: torch.Tensor) -> PackedRow:
-        """The row of megatron's ``PackedSeqParams`` for in_proj's output [1, s, x], shared by the layers
-        of one micro-batch (the same bounds tensor)."""
-        if params.qkv_format != "thd" or qkvzba.shape[0] != 1:
-            raise NotImplementedError(
-                "Gated DeltaNet takes packed sequences in THD format (micro-batch 1) only"
-            )
-        bounds, length = packed_bounds(params), qkvzba.shape[1]
-        rows = cls._rows.get(id(bounds))
-        if rows is None:
-            rows = cls._rows[id(bounds)] = {}
-            weakref.finalize(bounds, cls._rows.pop, id(bounds), None)  # before the id can be reused
-        if length not in rows:
-            inner = (int(b) for b in bounds.tolist() if 0 < b < length)
-            cuts = sorted({0, length, *inner})
-            rows[length] = cls(list(zip(cuts[:-1], cuts[1:], strict=True)), qkvzba.device)
-        return rows[length]
-
-    def places(self, gap: int) -> torch.Tensor:
-        """Where each token sits in a row that puts ``gap`` zeros before each sequence, on the row's device
-        (the portable convolution and causal-conv1d restart at each sequence over such a row)."""
-        if gap not in self._places:
-            shifted = [torch.arange(a, b) + gap * (i + 1) for i, (a, b) in enumerate(self.spans)]
-            self._places[gap] = torch.cat(shifted).to(self.device)
-        return self._places[gap]
-
-    @functools.cached_property
-    def cu_seqlens_cpu(self) -> torch.Tensor:
-        return torch.tensor([0, *(b for _, b in self.spans)])
-
-    @functools.cached_property
-    def cu_seqlens(self) -> torch.Tensor:
-        """fla's varlen bounds, on the row's device."""
-        return self.cu_seqlens_cpu.to(self.device)
-
-    @functools.cached_property
-    def starts(self) -> torch.Tensor:
-        """Each token's sequence start (int32), on the row's device (:mod:`twinkle_specs.gdn_conv`)."""
-        first = torch.tensor([a for a, _ in self.spans], dtype=torch.int32)
-        lengths = torch.tensor([b - a for a, b in self.spans])
-        return torch.repeat_interleave(first, lengths).to(self.device)
+def packed_row(params, qkvzba: torch.Tensor) -> PackedRow:
+    """The packed sequences of in_proj's output [1, s, x] (micro-batch 1, THD), shared by the layers of one
+    micro-batch."""
+    if params.qkv_format != "thd" or qkvzba.shape[0] != 1:
+        raise NotImplementedError("Gated DeltaNet takes packed sequences in THD format (micro-batch 1) only")
+    return PackedRow.of(params, qkvzba.shape[1], qkvzba.device)

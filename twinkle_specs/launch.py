@@ -128,8 +128,8 @@ def add_twinkle_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument(
         "--flash-attn-4",
         action="store_true",
-        help="attention on FlashAttention-4 instead of Transformer Engine's cuDNN attention (plain causal rows; "
-        "packed --sft rows keep TE's); needs the flash-attn-4 extra",
+        help="attention on FlashAttention-4 instead of Transformer Engine's cuDNN attention (causal rows, "
+        "and the packed rows of --sft on its varlen kernels); needs the flash-attn-4 extra",
     )
     g.add_argument(
         "--hf-export", type=str, default=None, help="write an HF checkpoint/PEFT adapter here at the end"

@@ -25,9 +25,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from .gdn import packed_bounds
 from .graph_io import record_sample, write_output_into_next_input
 from .hybrid_spec import hybrid_layer_submodules, is_hybrid
+from .packed_sequences import packed_bounds
 from .patches import local_graph_inputs_kept
 
 
