@@ -195,7 +195,7 @@ def lora(hf_dir: Path, s: Settings, flash_impl: str | None = None) -> Prepared:
     variant ``reads_checkpoint``), torch AdamW, random token data as :func:`bench.build_hf.prepare` makes it.
     ``flash_impl`` (``"fa4"``): torch's flash attention kernels swapped for that implementation process-wide
     through Unsloth's own switch (``UNSLOTH_FLASH_ATTENTION_IMPL``, ``maybe_activate_flash_attention_impl``),
-    which its trainer turns on inside ``trainer.train()`` for packed rows; the row records whether it took."""
+    which its trainer turns on inside ``trainer.train()`` for packed rows; an error where it does not take."""
     peer_kits.activate("unsloth")
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
@@ -260,7 +260,12 @@ def lora(hf_dir: Path, s: Settings, flash_impl: str | None = None) -> Prepared:
 
         os.environ[FLASH_IMPL_ENV] = flash_impl
         active = maybe_activate_flash_attention_impl(model)
-        result["flash_attention_impl"] = active or f"not active: {FLASH_IMPL_STATE['reason']}"
+        if not active:
+            raise RuntimeError(
+                f"Unsloth's {flash_impl} switch did not activate ({FLASH_IMPL_STATE['reason']}): the row would "
+                "time torch's own attention, which unsloth_lora measures"
+            )
+        result["flash_attention_impl"] = active
     if rule := gdn_rule(model.config, on_cuda=True):  # Unsloth runs fla's rule as one op
         result["gdn_rule"] = rule
     target_parameters = getattr(model.peft_config["default"], "target_parameters", None)
