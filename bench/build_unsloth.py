@@ -80,8 +80,17 @@ OFFLINE_ENV = {
 
 
 def unavailable_fa4(hf_dir: Path, s: Settings) -> str | None:
-    """:func:`unavailable`, and FlashAttention-4 for Unsloth's flash switch (``lora(flash_impl="fa4")``)."""
-    return unavailable(hf_dir, s) or peer_kits.flash_attn_4_missing()
+    """:func:`unavailable`, and FlashAttention-4 for Unsloth's flash switch (``lora(flash_impl="fa4")``): the
+    ``unsloth_fa4`` kit's release, which torch's FA4 registry can call, over the CuTe DSL of twinkle's kit."""
+    if reason := unavailable(hf_dir, s):
+        return reason
+    # first: looking for flash_attn.cute imports flash_attn, from wherever the path then finds it
+    if peer_kits.activate("unsloth_fa4") is None:
+        return (
+            "the unsloth_fa4 kit is not installed (flash-attn-4 4.0.0b18: torch's FA4 registry, which Unsloth's "
+            f"switch goes through, cannot call later releases): {KIT}"
+        )
+    return peer_kits.flash_attn_4_missing()
 
 
 def unavailable(hf_dir: Path, s: Settings) -> str | None:
@@ -197,6 +206,8 @@ def lora(hf_dir: Path, s: Settings, flash_impl: str | None = None) -> Prepared:
     through Unsloth's own switch (``UNSLOTH_FLASH_ATTENTION_IMPL``, ``maybe_activate_flash_attention_impl``),
     which its trainer turns on inside ``trainer.train()`` for packed rows; an error where it does not take."""
     peer_kits.activate("unsloth")
+    if flash_impl:
+        peer_kits.activate("unsloth_fa4")  # ahead of twinkle's release, before anything imports flash_attn
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
     import unsloth  # noqa: F401  (first: it patches transformers, peft and trl)
@@ -256,14 +267,17 @@ def lora(hf_dir: Path, s: Settings, flash_impl: str | None = None) -> Prepared:
         "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF"),  # unsloth_zoo sets expandable segments on import
     }
     if flash_impl:
+        import flash_attn
         from unsloth.utils.flash_impl import FLASH_IMPL_STATE, maybe_activate_flash_attention_impl
 
+        result["flash_attn_4"] = f"{version('flash-attn-4')} ({Path(flash_attn.__file__).parent})"
         os.environ[FLASH_IMPL_ENV] = flash_impl
         active = maybe_activate_flash_attention_impl(model)
         if not active:
             raise RuntimeError(
-                f"Unsloth's {flash_impl} switch did not activate ({FLASH_IMPL_STATE['reason']}): the row would "
-                "time torch's own attention, which unsloth_lora measures"
+                f"Unsloth's {flash_impl} switch did not activate with flash-attn-4 {result['flash_attn_4']} "
+                f"({FLASH_IMPL_STATE['reason']}): the row would time torch's own attention, which unsloth_lora "
+                "measures"
             )
         result["flash_attention_impl"] = active
     if rule := gdn_rule(model.config, on_cuda=True):  # Unsloth runs fla's rule as one op

@@ -7,7 +7,10 @@
 # Kits: liger (Liger-Kernel, for the transformers + PEFT tunings), unsloth, mcore_bridge (ModelScope ms-swift
 # on mcore-bridge, with the peft 0.20 both pin), megatron_bridge (NVIDIA Megatron-Bridge: megatron-core 0.19
 # only; its transformers pin, <=5.12.1, is not met by the image's 5.17 and is skipped with --no-deps, which
-# its import path tolerates). Versions: the newest that accept the device's torch 2.11 / transformers 5.17.
+# its import path tolerates), unsloth_fa4 (the FlashAttention-4 that Unsloth's switch reaches through torch's
+# FA4 registry, which unpacks two values from _flash_attn_fwd: 4.0.0b18 is the newest release returning two; the
+# CuTe DSL it runs on is twinkle's FA4 kit, scripts/gpu/stage_fa4.sh). Versions: the newest that accept the
+# device's torch 2.11 / transformers 5.17.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 declare -A KITS=(
@@ -15,6 +18,7 @@ declare -A KITS=(
   [unsloth]="unsloth==2026.10.9 unsloth_zoo==2026.10.9 trl==1.15.0 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 bitsandbytes==0.50.2"
   [mcore_bridge]="mcore-bridge==1.6.5 ms-swift==4.6.0 peft==0.20.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 modelscope==1.40.2 modelscope-hub==0.5.1 json-repair==0.64.6 cryptography==50.0.2 cffi==2.0.0"
   [megatron_bridge]="megatron-bridge==0.6.2 omegaconf==2.4.0"
+  [unsloth_fa4]="flash-attn-4==4.0.0b18"
 )
 
 stage() {
@@ -50,6 +54,7 @@ install() {
   # not fatal: the benchmark records the variant as skipped with the reason)
   check liger "import liger_kernel.transformers"
   check unsloth "import os; os.environ.setdefault('HF_HUB_OFFLINE', '1'); import unsloth"
+  check unsloth_fa4 "from importlib.metadata import version; import flash_attn.cute.interface; print('flash-attn-4', version('flash-attn-4'))"
   check mcore_bridge "import mcore_bridge, peft; from swift.megatron.utils import prepare_mcore_model; print('peft', peft.__version__)"
   check megatron_bridge "import megatron.core as c; from megatron.bridge import AutoBridge; print('megatron-core', c.__version__)"
 }

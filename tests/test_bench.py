@@ -1057,6 +1057,22 @@ def test_peers_preset_and_peer_kits(tmp_path, monkeypatch):
     assert peer_kits.activate("unsloth") == tmp_path / "unsloth" and sys.path[0] == str(tmp_path / "unsloth")
 
 
+def test_unsloths_flash_switch_takes_its_own_flash_attn_4_first(monkeypatch, tmp_path):
+    """``unsloth_lora_fa4``: the unsloth_fa4 kit (the release torch's FA4 registry can call) goes on the path
+    before FlashAttention-4 is looked for (finding ``flash_attn.cute`` imports ``flash_attn`` from the path);
+    without the kit the variant is skipped, naming it."""
+    from bench import build_unsloth, peer_kits
+
+    monkeypatch.setenv("BENCH_PEER_KITS", str(tmp_path))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(build_unsloth, "unavailable", lambda hf_dir, s: None)
+    seen = []
+    monkeypatch.setattr(peer_kits, "flash_attn_4_missing", lambda: seen.append(sys.path[0]))
+    assert "unsloth_fa4 kit is not installed" in build_unsloth.unavailable_fa4(tmp_path, None) and not seen
+    (tmp_path / "unsloth_fa4").mkdir()
+    assert build_unsloth.unavailable_fa4(tmp_path, None) is None and seen == [str(tmp_path / "unsloth_fa4")]
+
+
 def test_accumulating_step_runs_every_micro_batch():
     """``Prepared.accumulating``: a step is ``micro_batches`` forwards and backwards, one update, and the
     last micro-batch's loss; the activation measurement's halves stay one forward and one update."""
