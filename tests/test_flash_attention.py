@@ -158,14 +158,12 @@ def test_a_plain_config_is_not_refused():
 
 
 def _packed(bounds: list[int], padded: list[int] | None = None, **fields):
-    from megatron.core.packed_seq_params import PackedSeqParams
+    from test_sft import _packed_params
 
-    cu = torch.tensor(bounds, dtype=torch.int32)
-    pad = None if padded is None else torch.tensor(padded, dtype=torch.int32)
-    return PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad,
-        max_seqlen_q=int(max(np.diff(bounds))), max_seqlen_kv=int(max(np.diff(bounds))), **fields,
-    )  # fmt: skip
+    def cu(values):
+        return None if values is None else torch.tensor(values, dtype=torch.int32)
+
+    return _packed_params(cu(bounds), cu(padded), **fields)
 
 
 @pytest.mark.parametrize("mask", [AttnMaskType.causal, AttnMaskType.padding_causal])

@@ -149,24 +149,19 @@ def test_lora_model_on_flash_attention_4_trains_as_on_te(flash_attn_4, lora_chec
 
 
 def _thd_params(real: list[int], padded: list[int] | None):
-    """megatron's THD PackedSeqParams as TE takes them: the real bounds, and the padded ones where given."""
+    """megatron's THD PackedSeqParams as TE takes them, from sequence lengths: the real bounds, and the padded
+    ones where given."""
     import numpy as np
-    from megatron.core.packed_seq_params import PackedSeqParams
+    from test_sft import _packed_params
 
     def cu(lengths):
-        return torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device="cuda")
+        return (
+            None
+            if lengths is None
+            else torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device="cuda")
+        )
 
-    bounds, pad = cu(real), None if padded is None else cu(padded)
-    longest = max(padded or real)
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=bounds,
-        cu_seqlens_kv=bounds,
-        cu_seqlens_q_padded=pad,
-        cu_seqlens_kv_padded=pad,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-    )
+    return _packed_params(cu(real), cu(padded))
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["bounds", "padded-bounds"])

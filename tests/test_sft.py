@@ -98,12 +98,21 @@ def test_template_and_tokenizer_errors_name_the_checkpoint(tmp_path):
         QwenChatTokenizer(tmp_path / "not-chatml").tokenize_conversation(conversations(1)[0], True, False)
 
 
-def _packed_params(cu: torch.Tensor):
+def _packed_params(cu: torch.Tensor, padded: torch.Tensor | None = None, **fields):
+    """megatron's THD PackedSeqParams as its get_batch builds them: the bounds, the padded ones where given."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    longest = int((cu[1:] - cu[:-1]).max())
+    spans = cu if padded is None else padded
+    longest = int((spans[1:] - spans[:-1]).max())
     return PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        **fields,
     )
 
 
