@@ -27,6 +27,19 @@ BF16_MIN_COSINE = 0.999
 BF16_ERROR_RATIO = 1.5
 
 
+def count_calls(monkeypatch, module, name: str) -> list:
+    """``module.name`` still called, each call recorded: the returned list grows by one per call."""
+    calls: list = []
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 class Evidence:
     """Measured values by name, merged into ``$TWINKLE_EVIDENCE_DIR/<filename>`` after each record (under a
     lock: several pytest processes may record into one evidence folder at once)."""

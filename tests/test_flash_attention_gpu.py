@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from gpu_checks import BF16_MIN_COSINE, Evidence
+from gpu_checks import BF16_MIN_COSINE, Evidence, count_calls
 
 pytestmark = [
     pytest.mark.gpu,
@@ -118,9 +118,7 @@ def test_lora_model_on_flash_attention_4_trains_as_on_te(flash_attn_4, lora_chec
     from twinkle_specs.parallel import is_adapter_param
 
     hf = lora_checkpoints("qwen3")
-    calls = []
-    attend = flash_attention.attend
-    monkeypatch.setattr(flash_attention, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k))
+    calls = count_calls(monkeypatch, flash_attention, "attend")
 
     def model(fa4: bool):
         built = _bf16_lora_model(hf, parallel_output=False, flash_attn_4=fa4)
@@ -175,11 +173,7 @@ def test_packed_rows_match_te_attention_against_fp32_truth(flash_attn_4, gpu, pa
 
     from twinkle_specs import flash_attention
 
-    calls = []
-    attend_packed = flash_attention.attend_packed
-    monkeypatch.setattr(
-        flash_attention, "attend_packed", lambda *a, **k: calls.append(1) or attend_packed(*a, **k)
-    )
+    calls = count_calls(monkeypatch, flash_attention, "attend_packed")
     heads, groups, head_dim = 32, 8, 128
     config = _attention_config(heads, groups, head_dim)
     make = lambda cls: cls(config, 1, AttnMaskType.causal, "self")  # noqa: E731

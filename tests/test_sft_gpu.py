@@ -18,7 +18,7 @@ import pytest
 import torch
 from chat_data import answer_loss, conversations, pack, save_tokenizer
 from conftest import torchrun
-from gpu_checks import Evidence
+from gpu_checks import Evidence, count_calls
 from hybrid_models import hf_checkpoint_model, make_hybrid_checkpoint
 from models import make_checkpoint
 from test_sft import ROW, TARGETS, _packed_params, _with_system
@@ -49,16 +49,12 @@ def test_packed_row_on_the_te_path(kind, flash_attn_4, tmp_path, gpu, monkeypatc
     from twinkle_specs import LoraConfig, flash_attention, load_peft_adapter
     from twinkle_specs.sft import QwenChatTokenizer
 
-    calls = {"attend": 0, "attend_packed": 0}
+    calls = {}
     if flash_attn_4:
         pytest.importorskip("flash_attn.cute", reason="needs FlashAttention-4 (the flash-attn-4 extra)")
-        for name in calls:
-            kernel = getattr(flash_attention, name)
-            monkeypatch.setattr(
-                flash_attention,
-                name,
-                lambda *a, _n=name, _k=kernel, **kw: calls.update({_n: calls[_n] + 1}) or _k(*a, **kw),
-            )
+        calls = {
+            name: count_calls(monkeypatch, flash_attention, name) for name in ("attend", "attend_packed")
+        }
 
     hf = tmp_path / kind
     (make_hybrid_checkpoint if kind == "qwen3_next" else make_checkpoint)(kind, hf)
@@ -112,12 +108,13 @@ def test_packed_row_on_the_te_path(kind, flash_attn_4, tmp_path, gpu, monkeypatc
         attention_layers = sum(
             isinstance(m, flash_attention.flash_attention_4_class()) for m in model.modules()
         )
-        stats["flash_attn_4_calls"] = dict(calls, layers=attention_layers)
+        counts = {name: len(made) for name, made in calls.items()}
+        stats["flash_attn_4_calls"] = dict(counts, layers=attention_layers)
     EVIDENCE.record(f"{kind}-flash-attn-4" if flash_attn_4 else kind, **stats)
     print(kind, stats)
     if flash_attn_4:  # two packed forwards; one plain forward per conversation
-        assert calls == {"attend": attention_layers * len(convs), "attend_packed": 2 * attention_layers}, (
-            calls
+        assert counts == {"attend": attention_layers * len(convs), "attend_packed": 2 * attention_layers}, (
+            counts
         )
     assert row["loss_mask"].sum() == count
     assert stats["loss_rel_diff"] <= LOSS_RTOL, stats

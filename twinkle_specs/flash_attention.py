@@ -95,8 +95,13 @@ def launch_refusal(args: Any) -> str | None:
         return f"{FLAG} needs FlashAttention-4, which is not installed: {EXTRA}, or drop {FLAG}"
     impl = getattr(args, "transformer_impl", "transformer_engine")
     if impl != "transformer_engine":
-        return f"{FLAG} replaces Transformer Engine's attention: it needs --transformer-impl transformer_engine, not {impl}"
+        return portable_refusal(impl)
     return config_refusal(args)
+
+
+def portable_refusal(impl: str) -> str:
+    """The refusal of the flag with megatron's ``--transformer-impl`` ``impl`` other than Transformer Engine's."""
+    return f"{FLAG} replaces Transformer Engine's attention: it needs --transformer-impl transformer_engine, not {impl}"
 
 
 def attend(
@@ -141,7 +146,7 @@ def attend_packed(
     return out.reshape(query.shape[0], -1)
 
 
-def packed_row(params: Any, tokens: int, device: torch.device) -> PackedRow | None:
+def servable_row(params: Any, tokens: int, device: torch.device) -> PackedRow | None:
     """The sequences of a packed micro-batch that FlashAttention-4 can serve, or None for TE's forward: THD
     self-attention (the keys' bounds the queries'), no dynamic context-parallel group."""
     if params.qkv_format != "thd" or getattr(params, "cp_group", None) is not None:
@@ -164,7 +169,13 @@ def _te_dot_product_attention() -> type:
 def flash_attention_4_class() -> type:
     """:class:`FlashAttention4`'s class, built on megatron's ``TEDotProductAttention`` when first asked for
     (importing this module does not import Transformer Engine)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
     base = _te_dot_product_attention()
+    causal_packed = (
+        AttnMaskType.causal,
+        AttnMaskType.padding_causal,
+    )  # TE's names for causal over THD bounds
 
     class FlashAttention4(base):
         """megatron's ``TEDotProductAttention`` whose causal calls, plain rows or packed, run on
@@ -189,15 +200,12 @@ def flash_attention_4_class() -> type:
             packed_seq_params: Any = None,
             **kwargs: Any,
         ) -> torch.Tensor:
-            from megatron.core.transformer.enums import AttnMaskType
-
-            masks = [AttnMaskType.causal]
-            if packed_seq_params is not None:  # TE's name for causal over THD bounds, padded or not
-                masks.append(AttnMaskType.padding_causal)
+            plain = packed_seq_params is None
+            masks = (AttnMaskType.causal,) if plain else causal_packed
             served = attn_mask_type in masks and attention_bias is None and not kwargs.get("num_splits")
-            if served and packed_seq_params is None:
+            if served and plain:
                 return attend(query, key, value, self.flash_attn_4_scale, self.deterministic)
-            row = packed_row(packed_seq_params, query.shape[0], query.device) if served else None
+            row = servable_row(packed_seq_params, query.shape[0], query.device) if served else None
             if row is not None:
                 return attend_packed(query, key, value, row, self.flash_attn_4_scale, self.deterministic)
             mask, bias, packed = attn_mask_type, attention_bias, packed_seq_params
@@ -224,5 +232,6 @@ __all__ = [
     "flash_attention_4_class",
     "installed",
     "launch_refusal",
+    "portable_refusal",
     "with_flash_attention_4",
 ]

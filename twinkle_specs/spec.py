@@ -127,10 +127,9 @@ def _megatron_layer_submodules(config: TransformerConfig) -> TransformerLayerSub
             )
         return submodules
     if flash_attn_4:
-        raise ValueError(
-            "--flash-attn-4 replaces Transformer Engine's attention: it needs --transformer-impl "
-            "transformer_engine (this config runs megatron-core's portable modules)"
-        )
+        from .flash_attention import portable_refusal
+
+        raise ValueError(portable_refusal(config.transformer_impl))
     submodules = get_gpt_layer_local_spec(normalization=config.normalization, **common).submodules
     attention = submodules.self_attention
     portable_attention = dataclasses.replace(
