@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -28,6 +27,8 @@ from gpu_checks import Evidence, fp8_available
 from hybrid_models import hf_checkpoint_model, make_hybrid_checkpoint
 from models import make_checkpoint
 from packaging.version import Version
+
+from twinkle_specs import flash_attention
 
 ROOT = os.environ.get("MEGATRON_LM_ROOT")
 pytestmark = [
@@ -392,9 +393,7 @@ def test_lora_cuda_graphs_match_eager(e2e, lora_eager_qwen3, impl):
     _check_graphs_match_eager(f"lora-qwen3-cuda-graphs-{impl}", impl, graphs, eager, log)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("flash_attn") is None, reason="needs FlashAttention-4 (the flash-attn-4 extra)"
-)
+@pytest.mark.skipif(not flash_attention.installed(), reason="needs FlashAttention-4 (the flash-attn-4 extra)")
 def test_lora_flash_attn_4_trains_as_te_attention(e2e, lora_eager_qwen3):
     """``--flash-attn-4`` through stock pretrain_gpt.py, eager and under TE's CUDA graphs: the launcher logs the
     swap, and the losses follow the TE-attention run's (another kernel's bf16 rounding: FLASH_ATTN_4_RTOL);
