@@ -57,7 +57,11 @@ def _run(attn, q, k, v, dout):
     return (out, *torch.autograd.grad(out, (qi, ki, vi), dout))
 
 
-@pytest.mark.parametrize(("heads", "groups", "head_dim", "batch"), [(32, 8, 128, 1), (8, 2, 64, 2)])
+# Qwen3-8B's heads, a small shape at two micro-batches, and the hybrids' gated attention (Qwen3.5-9B: 16 query
+# heads, 4 groups, head dim 256)
+@pytest.mark.parametrize(
+    ("heads", "groups", "head_dim", "batch"), [(32, 8, 128, 1), (8, 2, 64, 2), (16, 4, 256, 1)]
+)
 def test_matches_te_attention_against_fp32_truth(flash_attn_4, gpu, heads, groups, head_dim, batch):
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
@@ -162,19 +166,21 @@ def _thd_params(real: list[int], padded: list[int] | None):
     return _packed_params(cu(real), cu(padded))
 
 
+@pytest.mark.parametrize(("heads", "groups", "head_dim"), [(32, 8, 128), (16, 4, 256)], ids=["d128", "d256"])
 @pytest.mark.parametrize("padded", [False, True], ids=["bounds", "padded-bounds"])
-def test_packed_rows_match_te_attention_against_fp32_truth(flash_attn_4, gpu, padded, monkeypatch):
-    """A packed row of five sequences (one of a single token) at the Qwen3-8B heads: FlashAttention-4's
-    varlen call against TE's THD attention, both against each sequence alone in fp32, on the real tokens.
-    With padded bounds (each sequence padded to a multiple of 64, as context parallelism pads) the padding
-    takes no loss (zero output gradient), as megatron's SFT loss mask has it."""
+def test_packed_rows_match_te_attention_against_fp32_truth(
+    flash_attn_4, gpu, padded, heads, groups, head_dim, monkeypatch
+):
+    """A packed row of five sequences (one of a single token) at Qwen3-8B's and Qwen3.5-9B's attention heads:
+    FlashAttention-4's varlen call against TE's THD attention, both against each sequence alone in fp32, on the
+    real tokens. With padded bounds (each sequence padded to a multiple of 64, as context parallelism pads) the
+    padding takes no loss (zero output gradient), as megatron's SFT loss mask has it."""
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     from twinkle_specs import flash_attention
 
     calls = count_calls(monkeypatch, flash_attention, "attend_packed")
-    heads, groups, head_dim = 32, 8, 128
     config = _attention_config(heads, groups, head_dim)
     make = lambda cls: cls(config, 1, AttnMaskType.causal, "self")  # noqa: E731
     te_attn, fa4 = make(TEDotProductAttention), make(flash_attention.flash_attention_4_class())
