@@ -2,8 +2,9 @@
 attention and an fp32 truth, under a CUDA graph, and in a LoRA model's training step.
 
 Tolerances: bf16 attention is judged against the fp32 truth (SDPA's math backend in fp32 on the same bf16
-inputs): FlashAttention-4's relative error (Frobenius) at most 1.5x TE's plus 1e-4, output and each input
-gradient. The LoRA model: logits' cosine with TE's model at least 0.999 and every adapter gradient within
+inputs): FlashAttention-4's relative error (Frobenius) at most 5e-3 (measured 2.0e-3 to 2.5e-3) and at most 1.5x
+TE's plus 1e-4, output and each input gradient; on packed rows TE is no reference where its cuDNN trains them
+wrong (``twinkle_specs.packed_attention_check``: heads of 256 on Hopper with cuDNN before 9.18). The LoRA model: logits' cosine with TE's model at least 0.999 and every adapter gradient within
 2e-2 of the largest (bf16 attention at a different summation order, through two layers). The measured values
 go to $TWINKLE_EVIDENCE_DIR/flash-attention-gpu.json when that is set.
 """
@@ -22,6 +23,7 @@ pytestmark = [
 
 EVIDENCE = Evidence("flash-attention-gpu.json")
 ERROR_RATIO, ERROR_FLOOR = 1.5, 1e-4
+ERROR_MAX = 5e-3
 GRAD_REL = 2e-2
 
 
@@ -109,6 +111,7 @@ def test_matches_te_attention_against_fp32_truth(flash_attn_4, gpu, heads, group
     EVIDENCE.record(f"attention-h{heads}-g{groups}-d{head_dim}-b{batch}", **stats)
     for n in names:
         err = stats[f"{n}_rel_err"]
+        assert err["flash_attn_4"] <= ERROR_MAX, (n, stats)
         assert err["flash_attn_4"] <= ERROR_RATIO * err["te"] + ERROR_FLOOR, (n, stats)
     # the query gradient's atomic sums may land in another order on replay: a few last bits of dq
     assert stats["graph_max_rel_diff"] <= 1e-3, stats
@@ -178,7 +181,7 @@ def test_packed_rows_match_te_attention_against_fp32_truth(
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from twinkle_specs import flash_attention
+    from twinkle_specs import flash_attention, packed_attention_check
 
     calls = count_calls(monkeypatch, flash_attention, "attend_packed")
     config = _attention_config(heads, groups, head_dim)
@@ -223,10 +226,13 @@ def test_packed_rows_match_te_attention_against_fp32_truth(
         for n, a, b, t in zip(names, ours, theirs, truth, strict=True)
     }
     stats["padding_grads_max_abs"] = max(t[~used].abs().max().item() for t in ours[1:]) if padded else 0.0
+    stats["te_refused"] = packed_attention_check.current_refusal(head_dim) is not None
     EVIDENCE.record(f"packed-h{heads}-g{groups}-d{head_dim}-{'padded' if padded else 'plain'}", **stats)
     for n in names:
         err = stats[f"{n}_rel_err"]
-        assert err["flash_attn_4"] <= ERROR_RATIO * err["te"] + ERROR_FLOOR, (n, stats)
+        assert err["flash_attn_4"] <= ERROR_MAX, (n, stats)
+        if not stats["te_refused"]:
+            assert err["flash_attn_4"] <= ERROR_RATIO * err["te"] + ERROR_FLOOR, (n, stats)
     assert stats["padding_grads_max_abs"] == 0.0, stats  # no loss there, no gradient from there
 
 

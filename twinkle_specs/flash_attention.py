@@ -160,9 +160,11 @@ def servable_row(params: Any, tokens: int, device: torch.device) -> PackedRow | 
 
 
 def _te_dot_product_attention() -> type:
-    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    """megatron's ``TEDotProductAttention``, refusing the packed calls handed back to it that its cuDNN would
+    train wrong (:mod:`twinkle_specs.packed_attention_check`)."""
+    from .packed_attention_check import checked_te_attention_class
 
-    return TEDotProductAttention
+    return checked_te_attention_class()
 
 
 @functools.cache

@@ -349,6 +349,10 @@ def _wrap_parse_args(original):
 
             if refusal := launch_refusal(args):
                 raise LaunchError(refusal)  # ends in main's refuse(), as the architecture checks' do
+        from .packed_attention_check import launch_refusal as packed_attention_refusal
+
+        if refusal := packed_attention_refusal(args):
+            raise LaunchError(refusal)
         global _RUN
         _RUN = run
         return args

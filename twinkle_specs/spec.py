@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from .graph_io import record_sample, write_output_into_next_input
 from .hybrid_spec import hybrid_layer_submodules, is_hybrid
+from .packed_attention_check import LARGEST_SAFE_HEAD_DIM, checked_te_attention_class
 from .packed_sequences import packed_bounds
 from .patches import local_graph_inputs_kept
 
@@ -122,8 +123,14 @@ def _megatron_layer_submodules(config: TransformerConfig) -> TransformerLayerSub
         if flash_attn_4:
             from .flash_attention import with_flash_attention_4
 
-            submodules = dataclasses.replace(
+            return dataclasses.replace(
                 submodules, self_attention=with_flash_attention_4(submodules.self_attention)
+            )
+        if config.kv_channels > LARGEST_SAFE_HEAD_DIM:  # TE's packed backward there depends on the cuDNN
+            attention = submodules.self_attention
+            checked = dataclasses.replace(attention.submodules, core_attention=checked_te_attention_class())
+            return dataclasses.replace(
+                submodules, self_attention=dataclasses.replace(attention, submodules=checked)
             )
         return submodules
     if flash_attn_4:
