@@ -267,10 +267,10 @@ def lora(hf_dir: Path, s: Settings, flash_impl: str | None = None) -> Prepared:
         "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF"),  # unsloth_zoo sets expandable segments on import
     }
     if flash_impl:
-        import flash_attn
+        import flash_attn.cute  # flash_attn is a namespace package here (no __file__): name its cute package
         from unsloth.utils.flash_impl import FLASH_IMPL_STATE, maybe_activate_flash_attention_impl
 
-        result["flash_attn_4"] = f"{version('flash-attn-4')} ({Path(flash_attn.__file__).parent})"
+        result["flash_attn_4"] = f"{version('flash-attn-4')} ({Path(flash_attn.cute.__file__).parent})"
         os.environ[FLASH_IMPL_ENV] = flash_impl
         active = maybe_activate_flash_attention_impl(model)
         if not active:
