@@ -153,6 +153,17 @@ def test_lora_model_on_flash_attention_4_trains_as_on_te(flash_attn_4, lora_chec
     assert worst <= GRAD_REL, worst
 
 
+def _run_packed(attn, q, k, v, dout, params):
+    """``attn`` on a packed row's [tokens, heads, d] query / key / value (causal inside each sequence), and the
+    gradients of ``dout`` through it: (out, dq, dk, dv)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    qi, ki, vi = (t.view_as(t) for t in (q, k, v))
+    out = attn(qi, ki, vi, None, attn_mask_type=AttnMaskType.padding_causal, packed_seq_params=params)
+    out = out.reshape(q.shape[0], -1)
+    return (out, *torch.autograd.grad(out, (qi, ki, vi), dout))
+
+
 def _thd_params(real: list[int], padded: list[int] | None):
     """megatron's THD PackedSeqParams as TE takes them, from sequence lengths: the real bounds, and the padded
     ones where given."""
@@ -212,13 +223,7 @@ def test_packed_rows_match_te_attention_against_fp32_truth(
         truth_out = truth_out.index_put((torch.arange(a, a + out.shape[0], device="cuda"),), out)
     truth = (truth_out, *torch.autograd.grad(truth_out, (qf, kf, vf), dout.float()))
 
-    def run(attn):
-        qi, ki, vi = (t.view_as(t) for t in (q, k, v))
-        out = attn(qi, ki, vi, None, attn_mask_type=AttnMaskType.padding_causal, packed_seq_params=params)
-        out = out.reshape(tokens, -1)
-        return (out, *torch.autograd.grad(out, (qi, ki, vi), dout))
-
-    ours, theirs = run(fa4), run(te_attn)
+    ours, theirs = (_run_packed(attn, q, k, v, dout, params) for attn in (fa4, te_attn))
     assert len(calls) == 1, calls
     names = ("out", "dq", "dk", "dv")
     stats = {
@@ -255,17 +260,9 @@ def test_deterministic_backward_repeats_bit_for_bit(flash_attn_4, gpu):
     repeats = {}
     for name, call in {
         "plain": lambda: _run(fa4, q, k, v, dout)[1:],
-        "packed": lambda: _packed_grads(fa4, q, k, v, dout, params),
+        "packed": lambda: _run_packed(fa4, *(t[:, 0] for t in (q, k, v)), dout[:, 0], params)[1:],
     }.items():
         first, second = call(), call()
         repeats[name] = all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     EVIDENCE.record("deterministic-backward", bitwise_equal=repeats)
     assert all(repeats.values()), repeats
-
-
-def _packed_grads(attn, q, k, v, dout, params):
-    from megatron.core.transformer.enums import AttnMaskType
-
-    qi, ki, vi = (t[:, 0] for t in (q, k, v))
-    out = attn(qi, ki, vi, None, attn_mask_type=AttnMaskType.padding_causal, packed_seq_params=params)
-    return torch.autograd.grad(out, (q, k, v), dout[:, 0])

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gpu_checks import Evidence
-from test_flash_attention_gpu import _attention_config, _rel, _thd_params
+from test_flash_attention_gpu import _attention_config, _rel, _run_packed, _thd_params
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,10 +58,7 @@ def test_te_packed_attention_at_head_dim_256_is_right_or_refused(gpu):
     truth = (truth_out, *torch.autograd.grad(truth_out, (qf, kf, vf), dout.float()))
 
     def run(attn):
-        qi, ki, vi = (t.view_as(t) for t in (q, k, v))
-        out = attn(qi, ki, vi, None, attn_mask_type=AttnMaskType.padding_causal, packed_seq_params=params)
-        out = out.reshape(tokens, -1)
-        return (out, *torch.autograd.grad(out, (qi, ki, vi), dout))
+        return _run_packed(attn, q, k, v, dout, params)
 
     errors = {n: _rel(a, t) for n, a, t in zip(NAMES, run(te_attn), truth, strict=True)}
     problem = check.current_refusal(head_dim)

@@ -83,9 +83,8 @@ def wheel_cudnn() -> tuple[str, int] | None:
             major, minor, patch = (int(p) for p in importlib.metadata.version(name).split(".")[:3])
         except (importlib.metadata.PackageNotFoundError, ValueError):
             continue
-        return str(
-            Path(next(iter(spec.submodule_search_locations))) / "lib"
-        ), major * 10000 + minor * 100 + patch
+        folder = Path(next(iter(spec.submodule_search_locations))) / "lib"
+        return str(folder), major * 10000 + minor * 100 + patch
     return None
 
 
