@@ -555,14 +555,22 @@ def stock_te_unavailable(hf_dir: Path, s: Settings) -> str | None:
 
 
 def packed_sft_unavailable(hf_dir: Path, s: Settings) -> str | None:
-    """Why (g) cannot run with these settings: Megatron-LM's --sft packs one row per micro-batch, and
-    megatron-core's CUDA graphs take no packed_seq_params (its graph runner asserts so)."""
+    """Why (g) cannot run with these settings: Megatron-LM's --sft packs one row per micro-batch,
+    megatron-core's CUDA graphs take no packed_seq_params (its graph runner asserts so), and TE's packed
+    attention is refused where its cuDNN trains it wrong (``twinkle_specs.packed_attention_check``: heads above
+    128 on Hopper with cuDNN before 9.18; (g-fa4) runs there)."""
     if s.micro_batch_size != 1:
         return "packed SFT rows: micro-batch 1 only (as Megatron-LM's --sft)"
     if s.cuda_graphs != "none":
         return "packed SFT rows run eager: megatron-core's CUDA graphs take no packed_seq_params"
     if s.grad_accum != 1:
         return "packed SFT rows: one row per optimizer step (--grad-accum 1): its token count is the row's"
+    if not s.flash_attn_4 and on_gpu():
+        from twinkle_specs.hf_config import qwen_arch_from_hf
+        from twinkle_specs.packed_attention_check import current_refusal
+
+        if problem := current_refusal(qwen_arch_from_hf(hf_dir).kv_channels):
+            return f"packed SFT rows on TE's attention: {problem}"
     return None
 
 

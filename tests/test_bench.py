@@ -311,6 +311,31 @@ def test_packed_rows_need_micro_batch_1_and_eager():
     assert "eager" in packed_sft_unavailable(Path(), Settings(cuda_graphs="transformer_engine"))
 
 
+def test_packed_rows_on_te_attention_its_cudnn_trains_wrong_are_skipped(monkeypatch, tmp_path):
+    """On a GPU, (g) at heads above 128 is skipped with the refusal of twinkle_specs.packed_attention_check
+    (TE's packed backward wrong there with cuDNN before 9.18); (g-fa4) and narrower heads run."""
+    import twinkle_specs
+    from bench import build_megatron
+    from bench.settings import Settings
+    from twinkle_specs import packed_attention_check
+
+    config = json.loads(
+        (Path(twinkle_specs.__file__).parent / "defaults" / "qwen3-tiny" / "config.json").read_text()
+    )
+    wide, narrow = tmp_path / "wide", tmp_path / "narrow"
+    for folder, head_dim in ((wide, 256), (narrow, 128)):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**config, "head_dim": head_dim}))
+    monkeypatch.setattr(build_megatron, "on_gpu", lambda: True)
+    monkeypatch.setattr(
+        packed_attention_check, "current_refusal", lambda head_dim: "cuDNN 9.14.0" if head_dim > 128 else None
+    )
+    s = Settings(micro_batch_size=1)
+    assert build_megatron.packed_sft_unavailable(wide, s) == "packed SFT rows on TE's attention: cuDNN 9.14.0"
+    assert build_megatron.packed_sft_unavailable(narrow, s) is None
+    assert build_megatron.packed_sft_unavailable(wide, dataclasses.replace(s, flash_attn_4=True)) is None
+
+
 def test_flops_real_shape_matches_known_mfu():
     # A known H100 measurement: Qwen3-1.7B, seq 4096, 32.1k tok/s full fwd+bwd was 38% MFU.
     from bench.shapes import hf_config
