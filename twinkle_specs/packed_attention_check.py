@@ -1,12 +1,12 @@
 """Transformer Engine's packed-row attention on Hopper needs cuDNN 9.18 or newer at head dims above 128.
 
 With an older cuDNN, cuDNN's fused attention backward over packed (THD) rows at head dim 192 or 256 gives wrong
-query gradients and NaN key and value gradients on Hopper; its forward, and the same heads over plain rows
-(SBHD), are right. Measured on an H200 with TE 2.11 at 16 query / 4 key-value heads of 256: with cuDNN 9.14.0
-(the image's ``/usr/lib``, which TE's loader finds before the ``nvidia-cudnn`` wheel beside torch) the query
-gradient is 0.19 off an fp32 truth (relative) and the key and value gradients NaN, for every bounds set tried,
-a single 4096-token sequence included, deterministic or not; with the wheel's cuDNN 9.19.0 it is 2.5e-3, as at
-head dim 128. TE's maintainers place the fix of cuDNN's Hopper THD backward in 9.18.
+gradients on Hopper (queries' 19–29 % off, keys' and values' mostly NaN); its forward, and the same heads over
+plain rows (SBHD), are right. Measured on an H200 with TE 2.11 at 16 query / 4 key-value heads of 256: with
+cuDNN 9.14.0 (the image's ``/usr/lib``, which TE's loader finds before the ``nvidia-cudnn`` wheel beside torch)
+the query gradient is 0.19 off an fp32 truth (relative) and the key and value gradients NaN or as far off, for
+every bounds set tried, a single 4096-token sequence included, deterministic or not; with the wheel's cuDNN
+9.19.0 it is 2.5e-3, as at head dim 128. TE's maintainers place the fix of cuDNN's Hopper THD backward in 9.18.
 
 Qwen3-Next and Qwen3.5 (dense and MoE) attend with heads of 256, so their ``--sft`` packed rows would train
 on those gradients. The launcher refuses such a run before it trains (:func:`launch_refusal`), and a Transformer
@@ -56,9 +56,9 @@ def refusal(
         newer = "install cuDNN 9.18 or newer and point CUDNN_HOME and LD_LIBRARY_PATH at it before the launch"
     return (
         f"Transformer Engine's packed-row (THD) attention backward at head dim {head_dim} on Hopper gives wrong "
-        f"query and NaN key/value gradients with cuDNN {cudnn_name(cudnn)}, the one TE loaded here (fixed in "
-        f"cuDNN {cudnn_name(FIXED_IN)}). Give TE a newer cuDNN ({newer}), or run the attention on "
-        "FlashAttention-4 (--flash-attn-4), or train on plain rows (no --sft)"
+        f"gradients (queries' ~20 % off, keys' and values' mostly NaN) with cuDNN {cudnn_name(cudnn)}, the one TE "
+        f"loaded here (fixed in cuDNN {cudnn_name(FIXED_IN)}). Give TE a newer cuDNN ({newer}), or run the "
+        "attention on FlashAttention-4 (--flash-attn-4), or train on plain rows (no --sft)"
     )
 
 
