@@ -22,12 +22,10 @@ counts 3 x, the model work).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -35,13 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: bench/ is importable as a package from the root
     sys.path.insert(0, str(ROOT))
 
-
-def wheel_cudnn_dir() -> str | None:
-    """The library folder of the ``nvidia-cudnn`` wheel in this interpreter's site-packages, if any."""
-    hits = glob.glob(
-        os.path.join(sysconfig.get_path("purelib"), "nvidia", "**", "libcudnn.so.9"), recursive=True
-    )
-    return os.path.dirname(sorted(hits)[0]) if hits else None
+from twinkle_specs.packed_attention_check import wheel_cudnn_dir  # noqa: E402
 
 
 def torch_cudnn_version() -> int | str:

@@ -156,3 +156,22 @@ def test_megatrons_parse_args_under_the_launcher_ends_in_the_refusal(monkeypatch
         launch._wrap_parse_args(parse_args)()
     monkeypatch.setattr(check, "current_refusal", lambda head_dim: None)
     assert launch._wrap_parse_args(parse_args)().sft
+
+
+def test_the_wheels_cudnn_is_found_with_its_version(monkeypatch, tmp_path):
+    """The nvidia-cudnn wheel as pip lays it out (a folder in the ``nvidia`` namespace package, its dist-info
+    beside): the folder holding libcudnn.so.9, and the version as cuDNN numbers it."""
+    import importlib
+    import sys
+
+    lib = tmp_path / "nvidia" / "cudnn" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcudnn.so.9").write_bytes(b"")
+    info = tmp_path / "nvidia_cudnn_cu13-9.19.0.56.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia-cudnn-cu13\nVersion: 9.19.0.56\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "nvidia", raising=False)
+    importlib.invalidate_caches()
+    assert check.wheel_cudnn_dir() == str(lib)
+    assert check.wheel_cudnn() == (str(lib), 91900)

@@ -216,16 +216,6 @@ def flash_attention_4_class() -> type:
     return FlashAttention4
 
 
-def with_flash_attention_4(attention_spec: Any) -> Any:
-    """A self-attention ``ModuleSpec`` whose core attention is :class:`FlashAttention4`'s class."""
-    import dataclasses
-
-    return dataclasses.replace(
-        attention_spec,
-        submodules=dataclasses.replace(attention_spec.submodules, core_attention=flash_attention_4_class()),
-    )
-
-
 __all__ = [
     "FLAG",
     "attend",
@@ -235,5 +225,4 @@ __all__ = [
     "installed",
     "launch_refusal",
     "portable_refusal",
-    "with_flash_attention_4",
 ]

@@ -18,6 +18,7 @@ for runs without the launcher), naming what to change: a newer cuDNN for TE, Fla
 from __future__ import annotations
 
 import functools
+import glob
 import importlib.metadata
 import importlib.util
 from pathlib import Path
@@ -73,23 +74,32 @@ def te_cudnn_version() -> int | None:
     return int(get()) if get is not None else None
 
 
+def wheel_cudnn_dir() -> str | None:
+    """The library folder of the ``nvidia-cudnn`` wheel (the one holding ``libcudnn.so.9``), where installed."""
+    spec = importlib.util.find_spec("nvidia")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    hits = sorted(hit for root in roots for hit in glob.glob(f"{root}/**/libcudnn.so.9", recursive=True))
+    return str(Path(hits[0]).parent) if hits else None
+
+
 def wheel_cudnn() -> tuple[str, int] | None:
-    """The ``nvidia-cudnn`` wheel's library folder and its version as cuDNN numbers it, where installed."""
-    spec = importlib.util.find_spec("nvidia.cudnn") if importlib.util.find_spec("nvidia") else None
-    if spec is None or not spec.submodule_search_locations:
+    """:func:`wheel_cudnn_dir` and the wheel's version as cuDNN numbers it, where installed."""
+    folder = wheel_cudnn_dir()
+    if folder is None:
         return None
     for name in WHEELS:
         try:
             major, minor, patch = (int(p) for p in importlib.metadata.version(name).split(".")[:3])
         except (importlib.metadata.PackageNotFoundError, ValueError):
             continue
-        folder = Path(next(iter(spec.submodule_search_locations))) / "lib"
-        return str(folder), major * 10000 + minor * 100 + patch
+        return folder, major * 10000 + minor * 100 + patch
     return None
 
 
+@functools.cache
 def current_refusal(head_dim: int) -> str | None:
-    """:func:`refusal` for this process: its GPU, the cuDNN TE loaded and the wheel's."""
+    """:func:`refusal` for this process: its GPU, the cuDNN TE loaded and the wheel's (none of which change
+    while it runs: asked once, by the launcher and by every attention layer built)."""
     if head_dim <= LARGEST_SAFE_HEAD_DIM or not torch.cuda.is_available():
         return None
     capability = torch.cuda.get_device_capability()
@@ -158,4 +168,5 @@ __all__ = [
     "refusal",
     "te_cudnn_version",
     "wheel_cudnn",
+    "wheel_cudnn_dir",
 ]

@@ -49,7 +49,7 @@ class PackedRow:
             rows[length] = cls(list(zip(cuts[:-1], cuts[1:], strict=True)), device)
         return rows[length]
 
-    @property
+    @functools.cached_property
     def longest(self) -> int:
         """The longest span's token count (varlen kernels size their grid by it)."""
         return max(b - a for a, b in self.spans)

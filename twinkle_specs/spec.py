@@ -110,6 +110,25 @@ class SDPACoreAttention(MegatronModule):
         )
 
 
+def _with_core_attention(submodules: TransformerLayerSubmodules, core: type) -> TransformerLayerSubmodules:
+    """``submodules`` with its self-attention's core attention replaced by ``core``, the rest as given."""
+    attention = submodules.self_attention
+    inner = dataclasses.replace(attention.submodules, core_attention=core)
+    return dataclasses.replace(submodules, self_attention=dataclasses.replace(attention, submodules=inner))
+
+
+def _te_core_attention(config: TransformerConfig) -> type | None:
+    """The core attention in place of megatron's TE one: FlashAttention-4 where asked for, megatron's checked
+    for the packed calls its cuDNN trains wrong at heads above 128, else None (megatron's own)."""
+    if getattr(config, "flash_attn_4", False):
+        from .flash_attention import flash_attention_4_class
+
+        return flash_attention_4_class()
+    if config.kv_channels > LARGEST_SAFE_HEAD_DIM:
+        return checked_te_attention_class()
+    return None
+
+
 def _megatron_layer_submodules(config: TransformerConfig) -> TransformerLayerSubmodules:
     """megatron-core's own GPT layer submodules for this config, TE or portable."""
     common = {
@@ -117,40 +136,23 @@ def _megatron_layer_submodules(config: TransformerConfig) -> TransformerLayerSub
         "moe_grouped_gemm": config.moe_grouped_gemm,
         "qk_layernorm": config.qk_layernorm,
     }
-    flash_attn_4 = getattr(config, "flash_attn_4", False)
     if config.transformer_impl == "transformer_engine":
         submodules = get_gpt_layer_with_transformer_engine_spec(**common).submodules
-        if flash_attn_4:
-            from .flash_attention import with_flash_attention_4
-
-            return dataclasses.replace(
-                submodules, self_attention=with_flash_attention_4(submodules.self_attention)
-            )
-        if config.kv_channels > LARGEST_SAFE_HEAD_DIM:  # TE's packed backward there depends on the cuDNN
-            attention = submodules.self_attention
-            checked = dataclasses.replace(attention.submodules, core_attention=checked_te_attention_class())
-            return dataclasses.replace(
-                submodules, self_attention=dataclasses.replace(attention, submodules=checked)
-            )
-        return submodules
-    if flash_attn_4:
+        core = _te_core_attention(config)
+        return submodules if core is None else _with_core_attention(submodules, core)
+    if getattr(config, "flash_attn_4", False):
         from .flash_attention import portable_refusal
 
         raise ValueError(portable_refusal(config.transformer_impl))
     submodules = get_gpt_layer_local_spec(normalization=config.normalization, **common).submodules
-    attention = submodules.self_attention
-    portable_attention = dataclasses.replace(
-        attention, submodules=dataclasses.replace(attention.submodules, core_attention=SDPACoreAttention)
-    )
     keys_map = dict(submodules.sharded_state_dict_keys_map)
     if config.num_moe_experts:
         # The TE spec fuses the pre-MLP norm into linear_fc1 only for dense MLPs; an MoE layer keeps a
         # TENorm named pre_mlp_layernorm. megatron's local spec renames it for MoE too, which would make
         # portable MoE checkpoints unreadable by TE models (and TE-trained ones by portable export).
         keys_map.pop("pre_mlp_layernorm.", None)
-    return dataclasses.replace(
-        submodules, self_attention=portable_attention, sharded_state_dict_keys_map=keys_map
-    )
+    portable = _with_core_attention(submodules, SDPACoreAttention)
+    return dataclasses.replace(portable, sharded_state_dict_keys_map=keys_map)
 
 
 def qwen_layer_submodules(config: TransformerConfig, layer_index: int = 0) -> TransformerLayerSubmodules:
