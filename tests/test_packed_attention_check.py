@@ -158,20 +158,32 @@ def test_megatrons_parse_args_under_the_launcher_ends_in_the_refusal(monkeypatch
     assert launch._wrap_parse_args(parse_args)().sft
 
 
-def test_the_wheels_cudnn_is_found_with_its_version(monkeypatch, tmp_path):
-    """The nvidia-cudnn wheel as pip lays it out (a folder in the ``nvidia`` namespace package, its dist-info
-    beside): the folder holding libcudnn.so.9, and the version as cuDNN numbers it."""
-    import importlib
-    import sys
-
-    lib = tmp_path / "nvidia" / "cudnn" / "lib"
+def _wheel(site, version: str | None):
+    """An ``nvidia`` folder as pip lays it out in ``site``; with ``version``, the cuDNN wheel in it, its
+    dist-info (metadata and file list) beside."""
+    (site / "nvidia" / "cublas" / "lib").mkdir(parents=True)
+    if version is None:
+        return None
+    lib = site / "nvidia" / "cudnn" / "lib"
     lib.mkdir(parents=True)
     (lib / "libcudnn.so.9").write_bytes(b"")
-    info = tmp_path / "nvidia_cudnn_cu13-9.19.0.56.dist-info"
+    info = site / f"nvidia_cudnn_cu13-{version}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia-cudnn-cu13\nVersion: 9.19.0.56\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "nvidia", raising=False)
-    importlib.invalidate_caches()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: nvidia-cudnn-cu13\nVersion: {version}\n")
+    (info / "RECORD").write_text(f"nvidia/cudnn/lib/libcudnn.so.9,,0\n{info.name}/METADATA,,\n")
+    return lib
+
+
+@pytest.mark.parametrize("first", ["9.19.0.56", None])
+def test_the_wheels_cudnn_is_found_with_its_version(monkeypatch, tmp_path, first):
+    """The nvidia-cudnn wheel as pip lays it out (a folder in the ``nvidia`` namespace package, its dist-info
+    beside): the folder holding libcudnn.so.9 of the first such install on sys.path (whatever else is installed
+    after it), and that install's version as cuDNN numbers it."""
+    # named so that sorting the folders would pick the later one
+    later = _wheel(tmp_path / "a-later", "9.14.0.64")
+    earlier = _wheel(tmp_path / "z-earlier", first)
+    monkeypatch.syspath_prepend(str(tmp_path / "a-later"))
+    monkeypatch.syspath_prepend(str(tmp_path / "z-earlier"))
+    lib, version = (earlier, 91900) if first else (later, 91400)
     assert check.wheel_cudnn_dir() == str(lib)
-    assert check.wheel_cudnn() == (str(lib), 91900)
+    assert check.wheel_cudnn() == (str(lib), version)

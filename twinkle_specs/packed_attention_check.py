@@ -18,9 +18,7 @@ for runs without the launcher), naming what to change: a newer cuDNN for TE, Fla
 from __future__ import annotations
 
 import functools
-import glob
 import importlib.metadata
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -74,26 +72,27 @@ def te_cudnn_version() -> int | None:
     return int(get()) if get is not None else None
 
 
-def wheel_cudnn_dir() -> str | None:
-    """The library folder of the ``nvidia-cudnn`` wheel (the one holding ``libcudnn.so.9``), where installed."""
-    spec = importlib.util.find_spec("nvidia")
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    hits = sorted(hit for root in roots for hit in glob.glob(f"{root}/**/libcudnn.so.9", recursive=True))
-    return str(Path(hits[0]).parent) if hits else None
-
-
 def wheel_cudnn() -> tuple[str, int] | None:
-    """:func:`wheel_cudnn_dir` and the wheel's version as cuDNN numbers it, where installed."""
-    folder = wheel_cudnn_dir()
-    if folder is None:
-        return None
-    for name in WHEELS:
-        try:
-            major, minor, patch = (int(p) for p in importlib.metadata.version(name).split(".")[:3])
-        except (importlib.metadata.PackageNotFoundError, ValueError):
+    """The ``nvidia-cudnn`` wheel's library folder (the one holding ``libcudnn.so.9``) and its version as cuDNN
+    numbers it, where installed: the first such install on ``sys.path``, found from its own file list."""
+    for dist in importlib.metadata.distributions():
+        if (dist.metadata["Name"] or "").lower().replace("_", "-") not in WHEELS:
             continue
-        return folder, major * 10000 + minor * 100 + patch
+        libs = [Path(dist.locate_file(f)) for f in dist.files or () if f.name == "libcudnn.so.9"]
+        libs = [lib for lib in libs if lib.is_file()]
+        try:
+            major, minor, patch = (int(p) for p in dist.version.split(".")[:3])
+        except ValueError:
+            continue
+        if libs:
+            return str(libs[0].parent), major * 10000 + minor * 100 + patch
     return None
+
+
+def wheel_cudnn_dir() -> str | None:
+    """The library folder of :func:`wheel_cudnn`, where installed."""
+    wheel = wheel_cudnn()
+    return wheel[0] if wheel is not None else None
 
 
 @functools.cache
