@@ -79,13 +79,13 @@ def wheel_cudnn() -> tuple[str, int] | None:
         if (dist.metadata["Name"] or "").lower().replace("_", "-") not in WHEELS:
             continue
         libs = [Path(dist.locate_file(f)) for f in dist.files or () if f.name == "libcudnn.so.9"]
-        libs = [lib for lib in libs if lib.is_file()]
+        if not (libs and libs[0].is_file()):
+            continue
         try:
             major, minor, patch = (int(p) for p in dist.version.split(".")[:3])
         except ValueError:
             continue
-        if libs:
-            return str(libs[0].parent), major * 10000 + minor * 100 + patch
+        return str(libs[0].parent), major * 10000 + minor * 100 + patch
     return None
 
 
