@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -123,30 +124,18 @@ def test_packed_row_on_the_te_path(kind, flash_attn_4, tmp_path, gpu, monkeypatc
     assert stats["packed_vs_alone_mean_abs"] <= stats["alone_bf16_vs_fp32_mean_abs"], stats
 
 
-@pytest.mark.skipif(
-    not os.environ.get("MEGATRON_LM_ROOT"), reason="needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT"
-)
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="needs the sft extra (datasets)")
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with Transformer Engine")
-@pytest.mark.parametrize(
-    ("kind", "flash_attn_4"),
-    [("qwen3", False), ("qwen3_moe", False), ("qwen3_5_vl", False), ("qwen3", True), ("qwen3_5_vl", True)],
-)
-def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, flash_attn_4, tmp_path):
-    """Stock pretrain_gpt.py --sft through the launcher, LoRA in bf16 on Qwen3, Qwen3-MoE and Qwen3.5 (the
-    multimodal checkpoint; Gated DeltaNet layers on packed rows): iteration 1's loss (a zero adapter) is
-    transformers' on the same conversations with the answer-only mask; the PEFT adapter exported at
-    iteration 3's save gives in peft the loss Megatron logs at iteration 4; and the loss falls. With
-    ``--flash-attn-4`` the packed rows Megatron-LM builds run on FlashAttention-4's varlen kernels."""
-    from test_launch_gpu import run_logged, train_flags
-
-    if flash_attn_4:
-        pytest.importorskip("flash_attn.cute", reason="needs FlashAttention-4 (the flash-attn-4 extra)")
+def _sft_lora_launch(
+    kind: str, flash_attn_4: bool, tmp_path: Path, **text
+) -> tuple[list[str], dict[str, str]]:
+    """The launcher's ``pretrain_gpt.py --sft`` LoRA command on a tiny ``kind`` checkpoint (``text``: config
+    fields to change) and 16 rows of three conversations, saving and exporting the PEFT adapter at iteration 3,
+    and its environment (the first 8 micro-batches dumped to ``tmp_path/batches``)."""
+    from test_launch_gpu import train_flags
 
     if kind.startswith("qwen3_5"):
-        hf = make_hybrid_checkpoint(kind, tmp_path / kind, max_position_embeddings=ROW)
+        hf = make_hybrid_checkpoint(kind, tmp_path / kind, max_position_embeddings=ROW, **text)
     else:
-        hf = make_checkpoint(kind, tmp_path / kind, max_position_embeddings=ROW)
+        hf = make_checkpoint(kind, tmp_path / kind, max_position_embeddings=ROW, **text)
     save_tokenizer(hf, "qwen3")
     convs = [_with_system(c) for c in conversations(48, seed=7)]
     data = tmp_path / "chat.jsonl"
@@ -159,7 +148,6 @@ def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, flash_attn
     flags[flags.index("--micro-batch-size") + 1] = "1"
     flags[flags.index("--global-batch-size") + 1] = "2"
     flags[flags.index("--seq-length") + 1] = str(ROW)
-    ck, export = tmp_path / "ck", tmp_path / "export"
     cmd = [
         *torchrun(1),
         "-m",
@@ -175,50 +163,116 @@ def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, flash_attn
         "--lora-alpha",
         "16",
         "--save",
-        str(ck),
+        str(tmp_path / "ck"),
         "--save-interval",
         "3",
         "--hf-export",
-        str(export),
+        str(tmp_path / "export"),
         "--hf-export-on-save",
         *(["--flash-attn-4"] if flash_attn_4 else []),
     ]
-    dumps = tmp_path / "batches"
-    env = dict(os.environ, TWINKLE_DUMP_BATCHES=str(dumps), TWINKLE_DUMP_BATCHES_COUNT="8")
-    name = f"sft-lora-{kind}" + ("-flash-attn-4" if flash_attn_4 else "")
-    losses, log = run_logged(cmd, name, env)
-    assert sorted(losses) == list(range(1, 7)), log[-3000:]
-    assert ("twinkle_specs: attention on FlashAttention-4 in" in log) is flash_attn_4, log[-3000:]
+    env = dict(os.environ, TWINKLE_DUMP_BATCHES=str(tmp_path / "batches"), TWINKLE_DUMP_BATCHES_COUNT="8")
+    return cmd, env
 
-    def transformers_loss(adapter, micro_batches) -> float:
-        model = hf_checkpoint_model(hf).cuda()
-        if adapter is not None:
-            from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, adapter).eval()
-        total, count = 0.0, 0.0
-        with torch.no_grad():
-            for mb in micro_batches:
-                b = torch.load(dumps / f"dp0-mb{mb}-pp0.pt")
-                cu = b["cu_seqlens"].flatten().tolist()
-                for a, e in zip(cu[:-1], cu[1:], strict=True):  # each packed sequence alone
-                    logits = model(b["tokens"][:, a:e].cuda()).logits[0].float()
-                    ce = torch.nn.functional.cross_entropy(
-                        logits, b["labels"][0, a:e].cuda().clamp(min=0), reduction="none"
-                    )
-                    mask = b["loss_mask"][0, a:e].cuda()
-                    total += (ce * mask).sum().item()
-                    count += mask.sum().item()
-        return total / count
+def _transformers_loss(hf: Path, dumps: Path, adapter: Path | None, micro_batches: range) -> float:
+    """transformers' fp32 answer-only loss (with the PEFT ``adapter`` where given) on the dumped micro-batches'
+    packed conversations, each run alone."""
+    model = hf_checkpoint_model(hf).cuda()
+    if adapter is not None:
+        from peft import PeftModel
 
-    first = transformers_loss(None, range(0, 2))
-    peft4 = transformers_loss(export / "iter_0000003", range(6, 8))
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for mb in micro_batches:
+            b = torch.load(dumps / f"dp0-mb{mb}-pp0.pt")
+            cu = b["cu_seqlens"].flatten().tolist()
+            for a, e in zip(cu[:-1], cu[1:], strict=True):  # each packed sequence alone
+                logits = model(b["tokens"][:, a:e].cuda()).logits[0].float()
+                ce = torch.nn.functional.cross_entropy(
+                    logits, b["labels"][0, a:e].cuda().clamp(min=0), reduction="none"
+                )
+                mask = b["loss_mask"][0, a:e].cuda()
+                total += (ce * mask).sum().item()
+                count += mask.sum().item()
+    return total / count
+
+
+def _check_sft_lora_run(kind: str, tmp_path: Path, name: str, losses: dict[int, float]) -> None:
+    """Iteration 1's loss (a zero adapter) is transformers', iteration 4's is peft's with the adapter exported
+    at iteration 3, and the loss falls."""
+    hf, dumps = tmp_path / kind, tmp_path / "batches"
+    assert sorted(losses) == list(range(1, 7)), losses
+    first = _transformers_loss(hf, dumps, None, range(0, 2))
+    peft4 = _transformers_loss(hf, dumps, tmp_path / "export" / "iter_0000003", range(6, 8))
     stats = dict(megatron=losses, transformers_iter1=first, peft_iter4=peft4)
     EVIDENCE.record(f"pretrain-gpt-{name}", **stats)
     print(stats)
     assert abs(losses[1] - first) <= LOSS_RTOL * first, stats
     assert abs(losses[4] - peft4) <= LOSS_RTOL * peft4, stats
     assert losses[6] < losses[1], stats
+
+
+needs_megatron_lm = pytest.mark.skipif(
+    not os.environ.get("MEGATRON_LM_ROOT"), reason="needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT"
+)
+needs_datasets = pytest.mark.skipif(
+    importlib.util.find_spec("datasets") is None, reason="needs the sft extra (datasets)"
+)
+
+
+@pytest.mark.parametrize(
+    ("kind", "flash_attn_4"),
+    [("qwen3", False), ("qwen3_moe", False), ("qwen3_5_vl", False), ("qwen3", True), ("qwen3_5_vl", True)],
+)
+@needs_megatron_lm
+@needs_datasets
+def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, flash_attn_4, tmp_path):
+    """Stock pretrain_gpt.py --sft through the launcher, LoRA in bf16 on Qwen3, Qwen3-MoE and Qwen3.5 (the
+    multimodal checkpoint; Gated DeltaNet layers on packed rows): iteration 1's loss (a zero adapter) is
+    transformers' on the same conversations with the answer-only mask; the PEFT adapter exported at
+    iteration 3's save gives in peft the loss Megatron logs at iteration 4; and the loss falls. With
+    ``--flash-attn-4`` the packed rows Megatron-LM builds run on FlashAttention-4's varlen kernels."""
+    from test_launch_gpu import run_logged
+
+    if flash_attn_4:
+        pytest.importorskip("flash_attn.cute", reason="needs FlashAttention-4 (the flash-attn-4 extra)")
+    cmd, env = _sft_lora_launch(kind, flash_attn_4, tmp_path)
+    name = f"sft-lora-{kind}" + ("-flash-attn-4" if flash_attn_4 else "")
+    losses, log = run_logged(cmd, name, env)
+    assert ("twinkle_specs: attention on FlashAttention-4 in" in log) is flash_attn_4, log[-3000:]
+    _check_sft_lora_run(kind, tmp_path, name, losses)
+
+
+@needs_megatron_lm
+@needs_datasets
+def test_pretrain_gpt_sft_at_heads_of_256_trains_right_or_is_refused(tmp_path):
+    """Qwen3.5 (the multimodal checkpoint) with attention heads of 256, as Qwen3.5 and Qwen3-Next have, through
+    the launcher with --sft on Transformer Engine's attention. Where ``packed_attention_check`` says this GPU's
+    cuDNN trains TE's packed attention wrong there (Hopper, cuDNN before 9.18), the launch ends before its first
+    iteration with that refusal (in $TWINKLE_CONFIG_ERROR_FILE, as the Slurm script reads it); elsewhere it
+    trains and matches transformers and peft as at small heads."""
+    from test_launch_gpu import ROOT, run_logged
+
+    from twinkle_specs.packed_attention_check import current_refusal
+
+    # this process loads TE's cuDNN as the launch's rank does (the same environment)
+    expected = current_refusal(256)
+    cmd, env = _sft_lora_launch("qwen3_5_vl", False, tmp_path, head_dim=256)
+    name = "sft-lora-qwen3_5_vl-head-dim-256"
+    if expected is None:
+        losses, _ = run_logged(cmd, name, env)
+        _check_sft_lora_run("qwen3_5_vl", tmp_path, name, losses)
+        return
+    marker = tmp_path / "config-error.txt"
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=ROOT, env=env | {"TWINKLE_CONFIG_ERROR_FILE": str(marker)}
+    )
+    log = proc.stdout + proc.stderr
+    EVIDENCE.record(f"pretrain-gpt-{name}", refused=True, returncode=proc.returncode, log_tail=log[-1500:])
+    assert proc.returncode != 0 and marker.read_text() == f"--sft: {expected}\n", log[-3000:]
+    assert f"twinkle_specs.launch: error: --sft: {expected}" in log and " iteration " not in log, log[-3000:]
 
 
 def _megatron_has_sft_tokenizer() -> bool:
@@ -253,10 +307,8 @@ def _megatron_sft_row(hf, messages: list[dict], length: int) -> dict[str, torch.
     return dataset[0]
 
 
-@pytest.mark.skipif(
-    not os.environ.get("MEGATRON_LM_ROOT"), reason="needs a stock Megatron-LM checkout in $MEGATRON_LM_ROOT"
-)
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="needs the sft extra (datasets)")
+@needs_megatron_lm
+@needs_datasets
 @pytest.mark.skipif(
     not _megatron_has_sft_tokenizer(),
     reason="Megatron-LM's SFTTokenizer has a prompt format for a Qwen chat template from core_v0.19 on",
