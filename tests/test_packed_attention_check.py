@@ -5,7 +5,10 @@ check and the attention module's. The GPU side (the bug itself, and cuDNN 9.19 r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.metadata
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -187,3 +190,20 @@ def test_the_wheels_cudnn_is_found_with_its_version(monkeypatch, tmp_path, first
     lib, version = (earlier, 91900) if first else (later, 91400)
     assert check.wheel_cudnn_dir() == str(lib)
     assert check.wheel_cudnn() == (str(lib), version)
+
+
+def test_the_installed_wheel_is_found_where_torch_brought_one():
+    """Where an nvidia-cudnn wheel is installed for real (torch from PyPI brings one: the 0.19 leg's venv, the GPU
+    image), the lookup finds it as the device scripts do (``nvidia.cudnn``'s folder) with that install's version."""
+    cudnn = pytest.importorskip(
+        "nvidia.cudnn", reason="no nvidia-cudnn wheel here (torch's CPU build brings none)"
+    )
+    found = check.wheel_cudnn()
+    assert found is not None
+    folder, version = found
+    assert folder == str(Path(list(cudnn.__path__)[0], "lib")) and Path(folder, "libcudnn.so.9").is_file()
+    installed = set()
+    for wheel in check.WHEELS:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            installed.add(".".join(importlib.metadata.version(wheel).split(".")[:3]))
+    assert check.cudnn_name(version) in installed, (version, installed)

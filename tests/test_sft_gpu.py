@@ -255,12 +255,12 @@ def test_pretrain_gpt_sft_at_heads_of_256_trains_right_or_is_refused(tmp_path):
     trains and matches transformers and peft as at small heads."""
     from test_launch_gpu import ROOT, run_logged
 
-    from twinkle_specs.packed_attention_check import current_refusal
+    from twinkle_specs.packed_attention_check import current_refusal, te_cudnn_version
 
     # this process loads TE's cuDNN as the launch's rank does (the same environment)
     expected = current_refusal(256)
     cmd, env = _sft_lora_launch("qwen3_5_vl", False, tmp_path, head_dim=256)
-    name = "sft-lora-qwen3_5_vl-head-dim-256"
+    name = f"sft-lora-qwen3_5_vl-head-dim-256-cudnn{te_cudnn_version()}"  # one record per cuDNN run under
     if expected is None:
         losses, _ = run_logged(cmd, name, env)
         _check_sft_lora_run("qwen3_5_vl", tmp_path, name, losses)
