@@ -199,11 +199,11 @@ def _transformers_loss(hf: Path, dumps: Path, adapter: Path | None, micro_batche
     return total / count
 
 
-def _check_sft_lora_run(kind: str, tmp_path: Path, name: str, losses: dict[int, float]) -> None:
+def _check_sft_lora_run(kind: str, tmp_path: Path, name: str, losses: dict[int, float], log: str) -> None:
     """Iteration 1's loss (a zero adapter) is transformers', iteration 4's is peft's with the adapter exported
     at iteration 3, and the loss falls."""
     hf, dumps = tmp_path / kind, tmp_path / "batches"
-    assert sorted(losses) == list(range(1, 7)), losses
+    assert sorted(losses) == list(range(1, 7)), log[-3000:]
     first = _transformers_loss(hf, dumps, None, range(0, 2))
     peft4 = _transformers_loss(hf, dumps, tmp_path / "export" / "iter_0000003", range(6, 8))
     stats = dict(megatron=losses, transformers_iter1=first, peft_iter4=peft4)
@@ -242,7 +242,7 @@ def test_pretrain_gpt_sft_lora_matches_transformers_and_exports(kind, flash_attn
     name = f"sft-lora-{kind}" + ("-flash-attn-4" if flash_attn_4 else "")
     losses, log = run_logged(cmd, name, env)
     assert ("twinkle_specs: attention on FlashAttention-4 in" in log) is flash_attn_4, log[-3000:]
-    _check_sft_lora_run(kind, tmp_path, name, losses)
+    _check_sft_lora_run(kind, tmp_path, name, losses, log)
 
 
 @needs_megatron_lm
@@ -260,10 +260,10 @@ def test_pretrain_gpt_sft_at_heads_of_256_trains_right_or_is_refused(tmp_path):
     # this process loads TE's cuDNN as the launch's rank does (the same environment)
     expected = current_refusal(256)
     cmd, env = _sft_lora_launch("qwen3_5_vl", False, tmp_path, head_dim=256)
-    name = f"sft-lora-qwen3_5_vl-head-dim-256-cudnn{te_cudnn_version()}"  # one record per cuDNN run under
+    name = f"sft-lora-qwen3_5_vl-head-dim-256-cudnn{te_cudnn_version()}"  # a record per cuDNN it runs under
     if expected is None:
-        losses, _ = run_logged(cmd, name, env)
-        _check_sft_lora_run("qwen3_5_vl", tmp_path, name, losses)
+        losses, log = run_logged(cmd, name, env)
+        _check_sft_lora_run("qwen3_5_vl", tmp_path, name, losses, log)
         return
     marker = tmp_path / "config-error.txt"
     proc = subprocess.run(
